@@ -1,0 +1,1 @@
+"""kvrelay: an LLM serving engine with prefill-decode disaggregation."""
