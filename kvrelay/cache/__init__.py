@@ -1,0 +1,1 @@
+"""Paged KV cache: the page allocator and the KV pools."""

@@ -1,0 +1,110 @@
+"""Frozen configuration dataclasses and the one registry of KVRELAY_* environment knobs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A dense Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * self.head_dim * (self.num_heads * 2 + self.num_kv_heads * 2)
+        layer = attn + 3 * h * i + 2 * h
+        head = 0 if self.tie_word_embeddings else v * h
+        return self.num_layers * layer + v * h + head + h
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16
+    max_total_tokens: int | None = None  # None: sized from free memory
+    memory_fraction: float = 0.85  # of free device memory (GPU) or available RAM x 0.3 (CPU)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
+    max_running_requests: int = 256
+    # Admission reserves KV for this fraction of each request's remaining max_tokens,
+    # so that running requests cannot run out; below 1.0, preemption covers the rest.
+    kv_reserve_ratio: float = 1.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2"
+    load_format: str = "auto"  # auto | gguf | safetensors | dummy
+    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    device: str = "auto"
+    attention_backend: str = "auto"  # auto: triton on GPU, torch elsewhere
+    cuda_graphs: bool = True
+    max_cuda_graph_batch: int = 256
+    max_model_len: int | None = None
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # Test-only: swap a sampled token with probability p when the batch is larger than k.
+    fault_swap_token_p: float = 0.0
+    fault_swap_token_min_batch: int = 0
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_n: int = 1
+    request_timeout_s: float = 600.0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+@dataclass(frozen=True)
+class EnvKnob:
+    name: str
+    default: str
+    help: str
+
+    def get(self) -> str:
+        return os.environ.get(self.name, self.default)
+
+
+ENV_KNOBS: dict[str, EnvKnob] = {
+    k.name: k
+    for k in (
+        EnvKnob("KVRELAY_LOG_LEVEL", "INFO", "log level of every kvrelay process"),
+        EnvKnob("KVRELAY_ENGINE_START_TIMEOUT_S", "600", "seconds to wait for the engine to load"),
+        EnvKnob("KVRELAY_CPU_THREADS", "0", "torch threads in the engine on CPU (0: torch default)"),
+    )
+}
+
+
+def env(name: str) -> str:
+    return ENV_KNOBS[name].get()
+
+
+def env_help() -> str:
+    return "\n".join(f"  {k.name} (default {k.default!r}): {k.help}" for k in ENV_KNOBS.values())

@@ -1,0 +1,1 @@
+"""The engine: requests, scheduler, batch preparation, model runner, sampler, and the loop."""

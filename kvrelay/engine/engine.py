@@ -1,0 +1,159 @@
+"""The engine loop body: take requests, schedule, forward, sample, emit."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import torch
+
+from kvrelay.config import EngineConfig
+from kvrelay.engine.messages import AddRequest, EngineStats, RequestOutput, StepOutputs
+from kvrelay.engine.request import Request, Status
+from kvrelay.engine.runner import ModelRunner
+from kvrelay.engine.sampler import sample
+from kvrelay.engine.scheduler import Scheduler
+from kvrelay.weights.loader import ModelSource, resolve
+
+log = logging.getLogger("kvrelay.engine")
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, src: ModelSource | None = None) -> None:
+        self.cfg = cfg
+        self.src = src or resolve(cfg.model, cfg.load_format)
+        self.runner = ModelRunner(cfg, self.src)
+        self.scheduler = Scheduler(cfg.scheduler, self.runner.allocator, self.runner.page_size)
+        self.eos_ids = set(self.src.config.eos_token_ids)
+        self._rng = random.Random(cfg.seed)
+        self._pending: list[RequestOutput] = []
+        self.last_step_ms = 0.0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    def add(self, msg: AddRequest) -> None:
+        p = msg.params
+        error = None
+        if not msg.prompt_ids:
+            error = "prompt is empty"
+        elif len(msg.prompt_ids) + p.max_tokens > self.max_model_len:
+            error = (
+                f"prompt ({len(msg.prompt_ids)} tokens) + max_tokens ({p.max_tokens}) exceeds the "
+                f"maximum context length {self.max_model_len}"
+            )
+        elif p.max_tokens < 1:
+            error = "max_tokens must be at least 1"
+        elif max(msg.prompt_ids) >= self.src.config.vocab_size or min(msg.prompt_ids) < 0:
+            error = "prompt contains token ids outside the vocabulary"
+        if error:
+            self._pending.append(RequestOutput(msg.rid, [], finish_reason="error", error=error))
+            return
+        req = Request(msg.rid, msg.prompt_ids, p, 0)
+        req.generator = torch.Generator(device=self.runner.device)
+        req.generator.manual_seed(p.seed if p.seed is not None else self._rng.getrandbits(63))
+        self.scheduler.add(req)
+
+    def abort(self, rid: str) -> None:
+        req = self.scheduler.find(rid)
+        if req is not None:
+            self.scheduler.finish(req, "abort")
+            self._pending.append(RequestOutput(rid, [], finish_reason="abort"))
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def stats(self, batch_size: int = 0, num_tokens: int = 0) -> EngineStats:
+        a = self.runner.allocator
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_pages_used=a.num_used,
+            kv_pages_total=a.num_usable,
+            num_preemptions=self.scheduler.num_preemptions,
+            step_ms=self.last_step_ms,
+            batch_size=batch_size,
+            num_tokens=num_tokens,
+        )
+
+    def _fail(self, req: Request, reason: str, error: str | None = None) -> None:
+        self.scheduler.finish(req, reason)
+        self._pending.append(RequestOutput(req.rid, [], finish_reason=reason, error=error))
+
+    def step(self) -> StepOutputs:
+        t0 = time.perf_counter()
+        batch, unfittable = self.scheduler.schedule()
+        for req in unfittable:
+            self._fail(req, "error", "the request does not fit in the KV cache")
+        outputs, self._pending = self._pending, []
+        if not batch:
+            return StepOutputs(outputs, self.stats())
+        try:
+            logits = self.runner.forward(batch)
+            sampling = [s.req for s in batch if s.samples]
+            result = sample(
+                logits,
+                [r.params for r in sampling],
+                [r.output_ids for r in sampling],
+                [r.generator for r in sampling],
+            )
+        except Exception as e:  # a broken batch fails its requests, never the engine
+            log.exception("forward failed batch_size=%d", len(batch))
+            for s in batch:
+                self._fail(s.req, "error", f"internal error: {type(e).__name__}: {e}")
+            outputs += self._pending
+            self._pending = []
+            return StepOutputs(outputs, self.stats())
+        self.scheduler.advance(batch)
+        fault = self._fault_active(len(batch))
+        for i, req in enumerate(sampling):
+            tok = result.token_ids[i]
+            if fault and self._rng.random() < self.cfg.fault_swap_token_p:
+                tok = (tok + 1) % self.src.config.vocab_size
+            req.output_ids.append(tok)
+            reason = self._stop_reason(req, tok)
+            out = RequestOutput(
+                req.rid,
+                [tok],
+                logprobs=None if result.logprobs[i] is None else [result.logprobs[i]],
+                top_logprobs=None if result.top_logprobs[i] is None else [result.top_logprobs[i]],
+                finish_reason=reason,
+                num_prompt_tokens=len(req.prompt_ids),
+            )
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+            outputs.append(out)
+        self.last_step_ms = (time.perf_counter() - t0) * 1e3
+        return StepOutputs(outputs, self.stats(len(batch), sum(s.num_new_tokens for s in batch)))
+
+    def _fault_active(self, batch_size: int) -> bool:
+        return self.cfg.fault_swap_token_p > 0 and batch_size > self.cfg.fault_swap_token_min_batch
+
+    def _stop_reason(self, req: Request, tok: int) -> str | None:
+        p = req.params
+        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            return "stop"
+        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def check_idle_integrity(self) -> None:
+        """With nothing running, every KV page must be back in the free list."""
+        held = [r.pages for r in self.scheduler.running] + [r.pages for r in self.scheduler.waiting]
+        self.runner.allocator.check_integrity(held)
+
+
+def generate(engine: Engine, prompts: list[list[int]], params) -> list[list[RequestOutput]]:
+    """Run prompts to completion in one continuous batch (offline use: tests and benchmarks)."""
+    rids = [f"offline-{i}" for i in range(len(prompts))]
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    for rid, ids, p in zip(rids, prompts, plist, strict=True):
+        engine.add(AddRequest(rid, ids, p))
+    per: dict[str, list[RequestOutput]] = {rid: [] for rid in rids}
+    while engine.has_work or engine._pending:
+        for out in engine.step().outputs:
+            per[out.rid].append(out)
+    return [per[rid] for rid in rids]

@@ -1,0 +1,81 @@
+"""Typed messages between the API process and the engine process (msgspec over ZeroMQ)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; n >= 0: chosen token plus n top alternatives
+
+
+class AddRequest(msgspec.Struct, tag=True):
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    rid: str
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class RequestOutput(msgspec.Struct, array_like=True):
+    rid: str
+    token_ids: list[int]
+    # One entry per token: the chosen token's logprob, then the top alternatives.
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[TokenLogprob]] | None = None
+    finish_reason: str | None = None  # stop | length | abort | error
+    error: str | None = None
+    num_prompt_tokens: int = 0
+
+
+class EngineStats(msgspec.Struct):
+    num_running: int
+    num_waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    num_preemptions: int
+    step_ms: float
+    batch_size: int
+    num_tokens: int
+
+
+class StepOutputs(msgspec.Struct, tag=True):
+    outputs: list[RequestOutput]
+    stats: EngineStats | None = None
+
+
+class EngineReady(msgspec.Struct, tag=True):
+    max_model_len: int
+    max_total_tokens: int
+    page_size: int
+    device: str
+    dtype: str
+
+
+class EngineFailed(msgspec.Struct, tag=True):
+    message: str
+
+
+ToEngine = AddRequest | AbortRequest | Shutdown
+FromEngine = StepOutputs | EngineReady | EngineFailed

@@ -1,0 +1,51 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from kvrelay.engine.messages import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, arrival: int) -> None:
+        self.rid = rid
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        self.arrival = arrival  # admission order; preemption evicts the newest first
+        self.status = Status.WAITING
+        self.pages: list[int] = []
+        self.num_computed = 0  # tokens whose K/V sit in the cache
+        self.generator: torch.Generator | None = None
+        self.finish_reason: str | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def remaining_max_tokens(self) -> int:
+        return max(self.params.max_tokens - len(self.output_ids), 0)
+
+    def reset_for_recompute(self) -> None:
+        """After preemption: the cache is gone; prompt + output so far are recomputed."""
+        self.pages = []
+        self.num_computed = 0
+        self.status = Status.WAITING

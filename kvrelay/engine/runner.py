@@ -1,0 +1,98 @@
+"""Owns the model, the KV pool and the CUDA graphs; runs one forward pass for a scheduled batch."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from kvrelay.cache.kv_pool import KVPool, bytes_per_token
+from kvrelay.cache.page_allocator import PageAllocator
+from kvrelay.config import EngineConfig
+from kvrelay.engine.batch import ForwardBatch, prepare
+from kvrelay.engine.scheduler import ScheduledRequest
+from kvrelay.layers.attention import make_backend
+from kvrelay.models.llama import ForwardContext
+from kvrelay.weights.loader import ModelSource, build_model
+
+log = logging.getLogger("kvrelay.runner")
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, src: ModelSource) -> None:
+        self.cfg = cfg
+        self.device = pick_device(cfg.device)
+        self.dtype = pick_dtype(cfg.dtype, self.device)
+        self.page_size = cfg.cache.page_size
+        torch.manual_seed(cfg.seed)
+        self.model = build_model(src, self.dtype, self.device, cfg.seed)
+        self.model_cfg = src.config
+        backend = cfg.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        self.backend = make_backend(backend)
+        num_pages = self._num_pages()
+        self.kv = KVPool(self.model_cfg, num_pages, self.page_size, self.dtype, self.device)
+        self.allocator = PageAllocator(num_pages)
+        pool_tokens = (num_pages - 1) * self.page_size
+        self.max_model_len = min(cfg.max_model_len or self.model_cfg.max_position_embeddings, pool_tokens)
+        self.graphs = None
+        if self.device.type == "cuda" and cfg.cuda_graphs:
+            from kvrelay.engine.cuda_graphs import CudaGraphRunner
+
+            max_pages = _cdiv(self.max_model_len, self.page_size)
+            self.graphs = CudaGraphRunner(
+                self.model, self.kv.layers, self.backend, cfg.max_cuda_graph_batch, max_pages, self.device
+            )
+        log.info(
+            "runner ready device=%s dtype=%s backend=%s kv_pages=%d page_size=%d max_model_len=%d cuda_graphs=%s",
+            self.device, self.dtype, backend, num_pages, self.page_size, self.max_model_len, self.graphs is not None,
+        )
+
+    def _num_pages(self) -> int:
+        per_token = bytes_per_token(self.model_cfg, self.dtype)
+        if self.cfg.cache.max_total_tokens:
+            return _cdiv(self.cfg.cache.max_total_tokens, self.page_size) + 1
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            # Leave room for activations of a full prefill step and for the decode graphs' logits.
+            act = self.cfg.scheduler.max_num_batched_tokens * (
+                self.model_cfg.hidden_size * 16 + self.model_cfg.vocab_size * 4
+            )
+            graphs = 2 * self.cfg.max_cuda_graph_batch * self.model_cfg.vocab_size * 4
+            budget = free * self.cfg.cache.memory_fraction - act - graphs
+        else:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            budget = min(avail * 0.3 * self.cfg.cache.memory_fraction, 8 << 30)
+        return max(int(budget // (per_token * self.page_size)), 2)
+
+    @torch.inference_mode()
+    def forward(self, batch: list[ScheduledRequest]) -> torch.Tensor:
+        """Logits [N, V] (float32) for the requests in `batch` that sample this step, in order."""
+        fb = prepare(batch, self.page_size, self.device)
+        return self.forward_batch(fb)
+
+    @torch.inference_mode()
+    def forward_batch(self, fb: ForwardBatch) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(fb):
+            return self.graphs.run(fb)
+        ctx = ForwardContext(fb.attn, self.kv.layers, self.backend)
+        hidden = self.model(fb.input_ids, fb.positions, ctx)
+        return self.model.compute_logits(hidden[fb.sample_rows])

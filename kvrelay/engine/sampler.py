@@ -1,0 +1,89 @@
+"""Per-request sampling: penalties, temperature, top-k, top-p, min-p, seeds, and logprobs.
+
+Logprobs are those of the model's own distribution (log-softmax of the raw logits), as in vLLM.
+Random draws use each request's own generator, so a seeded request gives the same tokens whatever
+else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvrelay.engine.messages import SamplingParams, TokenLogprob
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[TokenLogprob] | None]
+
+
+def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]]):
+    for i, (p, out) in enumerate(zip(params, outputs, strict=True)):
+        if (p.presence_penalty or p.frequency_penalty) and out:
+            ids = torch.tensor(out, device=logits.device)
+            counts = torch.bincount(ids, minlength=logits.shape[1]).to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p on the rows that sample; returns probabilities."""
+    dev = logits.device
+    temp = torch.tensor([p.temperature for p in params], device=dev)
+    logits = logits / temp[:, None]
+    top_k = [p.top_k for p in params]
+    if any(k > 0 for k in top_k):
+        k = torch.tensor([k if k > 0 else logits.shape[1] for k in top_k], device=dev)
+        kth = torch.sort(logits, dim=1, descending=True).values.gather(1, (k - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=1)
+    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    if (top_p < 1).any():
+        sorted_p, idx = torch.sort(probs, dim=1, descending=True)
+        # Keep a token if the mass strictly before it is below top_p (the top token always stays).
+        drop_sorted = (torch.cumsum(sorted_p, dim=1) - sorted_p) >= top_p[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter(1, idx, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    min_p = torch.tensor([p.min_p for p in params], device=dev)
+    if (min_p > 0).any():
+        threshold = min_p[:, None] * probs.max(dim=1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs / probs.sum(dim=1, keepdim=True)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    outputs: list[list[int]],
+    generators: list[torch.Generator],
+) -> SampleResult:
+    """logits: [N, V] float32, one row per request that samples this step."""
+    raw = logits
+    logits = logits.clone()
+    _apply_penalties(logits, params, outputs)
+    chosen = logits.argmax(dim=1)
+    rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    if rows:
+        sub = _filter(logits[rows], [params[i] for i in rows])
+        for j, i in enumerate(rows):
+            # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
+            e = torch.empty_like(sub[j]).exponential_(generator=generators[i])
+            chosen[i] = (sub[j] / e).argmax()
+    token_ids = chosen.tolist()
+    logprobs: list[float | None] = [None] * len(params)
+    tops: list[list[TokenLogprob] | None] = [None] * len(params)
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if want:
+        lp = torch.log_softmax(raw[want], dim=1)
+        k = max(params[i].logprobs for i in want)
+        top_v, top_i = lp.topk(k, dim=1) if k > 0 else (lp[:, :0], lp[:, :0].long())
+        chosen_lp = lp.gather(1, chosen[want][:, None]).squeeze(1).tolist()
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        for j, i in enumerate(want):
+            logprobs[i] = chosen_lp[j]
+            n = params[i].logprobs
+            tops[i] = [TokenLogprob(t, v) for t, v in zip(top_i[j][:n], top_v[j][:n], strict=True)]
+    return SampleResult(token_ids, logprobs, tops)

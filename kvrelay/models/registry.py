@@ -1,0 +1,19 @@
+"""Architecture name -> model class."""
+
+from __future__ import annotations
+
+from kvrelay.models.llama import LlamaForCausalLM
+
+MODELS = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def model_class(architecture: str):
+    try:
+        return MODELS[architecture]
+    except KeyError:
+        raise ValueError(f"unsupported architecture {architecture!r}") from None

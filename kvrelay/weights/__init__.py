@@ -1,0 +1,1 @@
+"""Checkpoint readers: GGUF, HF safetensors directories, and dummy (random) weights."""

