@@ -49,7 +49,7 @@ class Engine:
         elif max(msg.prompt_ids) >= self.src.config.vocab_size or min(msg.prompt_ids) < 0:
             error = "prompt contains token ids outside the vocabulary"
         if error:
-            self._pending.append(RequestOutput(msg.rid, [], finish_reason="error", error=error))
+            self._pending.append(RequestOutput(msg.rid, [], finish_reason="rejected", error=error))
             return
         req = Request(msg.rid, msg.prompt_ids, p, 0)
         req.generator = torch.Generator(device=self.runner.device)
@@ -64,7 +64,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._pending)
 
     def stats(self, batch_size: int = 0, num_tokens: int = 0) -> EngineStats:
         a = self.runner.allocator
@@ -153,7 +153,7 @@ def generate(engine: Engine, prompts: list[list[int]], params) -> list[list[Requ
     for rid, ids, p in zip(rids, prompts, plist, strict=True):
         engine.add(AddRequest(rid, ids, p))
     per: dict[str, list[RequestOutput]] = {rid: [] for rid in rids}
-    while engine.has_work or engine._pending:
+    while engine.has_work:
         for out in engine.step().outputs:
             per[out.rid].append(out)
     return [per[rid] for rid in rids]

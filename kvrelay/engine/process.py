@@ -1,0 +1,85 @@
+"""The engine process: a ZeroMQ loop around Engine. Bad messages fail one request, never the process."""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import msgspec
+import zmq
+
+from kvrelay.config import EngineConfig, env
+from kvrelay.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineFailed,
+    EngineReady,
+    FromEngine,
+    Shutdown,
+    ToEngine,
+)
+
+log = logging.getLogger("kvrelay.engine")
+
+
+def setup_logging() -> None:
+    logging.basicConfig(
+        level=env("KVRELAY_LOG_LEVEL"),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+
+
+def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str) -> None:
+    setup_logging()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop
+    import torch
+
+    threads = int(env("KVRELAY_CPU_THREADS"))
+    if threads > 0:
+        torch.set_num_threads(threads)
+    zctx = zmq.Context()
+    inbox = zctx.socket(zmq.PULL)
+    inbox.connect(in_addr)
+    outbox = zctx.socket(zmq.PUSH)
+    outbox.connect(out_addr)
+    enc = msgspec.msgpack.Encoder()
+    dec = msgspec.msgpack.Decoder(ToEngine)
+    try:
+        from kvrelay.engine.engine import Engine
+
+        engine = Engine(cfg)
+    except Exception as e:
+        log.exception("engine failed to start")
+        outbox.send(enc.encode(EngineFailed(f"{type(e).__name__}: {e}")))
+        return
+    r = engine.runner
+    outbox.send(
+        enc.encode(
+            EngineReady(engine.max_model_len, (r.allocator.num_usable) * r.page_size, r.page_size, str(r.device), str(r.dtype))
+        )
+    )
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    while True:
+        timeout = 0 if engine.has_work else 1000
+        while poller.poll(timeout):
+            timeout = 0
+            try:
+                msg = dec.decode(inbox.recv())
+            except msgspec.DecodeError:
+                log.exception("undecodable message dropped")
+                continue
+            if isinstance(msg, AddRequest):
+                engine.add(msg)
+            elif isinstance(msg, AbortRequest):
+                engine.abort(msg.rid)
+            elif isinstance(msg, Shutdown):
+                log.info("engine shutting down")
+                return
+        if engine.has_work:
+            out = engine.step()
+            if out.outputs or out.stats:
+                outbox.send(enc.encode(out))
+
+
+FromEngineDecoder = msgspec.msgpack.Decoder(FromEngine)

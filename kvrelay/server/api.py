@@ -1,0 +1,257 @@
+"""OpenAI-compatible routes: chat, completions, models, health, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import generate_latest
+from pydantic import ValidationError
+
+from kvrelay.config import ServerConfig, env
+from kvrelay.engine.messages import SamplingParams
+from kvrelay.server import openai_format as fmt
+from kvrelay.server.engine_client import EngineClient, EngineDead
+from kvrelay.server.errors import APIError, bad_request, unavailable
+from kvrelay.server.generation import Delta, Generation
+from kvrelay.server.metrics import Metrics
+from kvrelay.server.schemas import ChatCompletionRequest, CompletionRequest
+from kvrelay.server.tokenizer import apply_chat_template, load_tokenizer
+from kvrelay.weights.loader import resolve
+
+log = logging.getLogger("kvrelay.api")
+
+
+class ServerState:
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.src = resolve(cfg.engine.model, cfg.engine.load_format)
+        self.model_name = cfg.served_model_name or self.src.name
+        self.metrics = Metrics()
+        self.client = EngineClient(cfg.engine)
+        self.client.on_step = self.metrics.on_step
+        self.tokenizer = None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.client.ready.max_model_len
+
+
+def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
+    state = ServerState(cfg)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        tok_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, state.src))
+        await state.client.start(float(env("KVRELAY_ENGINE_START_TIMEOUT_S")))
+        state.tokenizer = await tok_task
+        log.info("server ready model=%s max_model_len=%d", state.model_name, state.max_model_len)
+        if on_ready is not None:
+            on_ready(state)
+        yield
+        await state.client.shutdown()
+
+    app = FastAPI(title="kvrelay", lifespan=lifespan)
+    app.state.kv = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        state.metrics.errors.labels(status=str(e.status)).inc()
+        return e.response()
+
+    @app.get("/health")
+    async def health():
+        if not state.client.healthy:
+            raise unavailable(state.client.dead_reason or "engine not ready")
+        return PlainTextResponse("ok")
+
+    @app.get("/health_generate")
+    async def health_generate():
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        gen = Generation(state.client, state.tokenizer, f"health-{uuid.uuid4().hex}", [0], params, [], state.metrics, 30.0)
+        try:
+            async for _ in gen.deltas():
+                pass
+        except EngineDead as e:
+            raise unavailable(str(e)) from None
+        except APIError as e:
+            raise unavailable(f"generation failed: {e.message}") from None
+        return PlainTextResponse("ok")
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(generate_latest(state.metrics.registry).decode())
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "kvrelay",
+                "max_model_len": state.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = await _parse(request, ChatCompletionRequest)
+        _check_common(req)
+        try:
+            messages = [_message_dict(m) for m in req.messages]
+            prompt_ids = apply_chat_template(state.tokenizer, messages, req.tools)
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
+        gen = _start(req, prompt_ids)
+        rid, created = gen.rid, int(gen.created)
+        if req.stream:
+            return _stream(request, gen, lambda d, first: _chat_chunk(rid, created, d, first, req),
+                           rid, created, "chat.completion.chunk", req)
+        deltas = await _collect(request, gen)
+        text = "".join(d.text for d in deltas)
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "finish_reason": deltas[-1].finish_reason, "logprobs": None}
+        if req.logprobs:
+            choice["logprobs"] = fmt.chat_logprobs(state.tokenizer, deltas)
+        return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
+                "choices": [choice], "usage": fmt.usage(len(prompt_ids), gen.completion_tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await _parse(request, CompletionRequest)
+        _check_common(req)
+        prompt = req.prompt
+        prompt_ids = list(prompt) if isinstance(prompt, list) else state.tokenizer.encode(prompt, add_special_tokens=False)
+        if not prompt_ids:
+            raise bad_request("prompt is empty", "prompt")
+        gen = _start(req, prompt_ids)
+        rid, created = gen.rid, int(gen.created)
+        echo = (prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt_ids)) if req.echo else ""
+        if req.stream:
+            offset = [0]  # text offset of the next token, across chunks
+            return _stream(request, gen, lambda d, first: _completion_chunk(rid, created, d, first, req, echo, offset),
+                           rid, created, "text_completion", req)
+        deltas = await _collect(request, gen)
+        choice = {"index": 0, "text": echo + "".join(d.text for d in deltas),
+                  "finish_reason": deltas[-1].finish_reason, "logprobs": None}
+        if req.logprobs is not None:
+            choice["logprobs"] = fmt.completion_logprobs(state.tokenizer, deltas, len(echo))
+        return {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                "choices": [choice], "usage": fmt.usage(len(prompt_ids), gen.completion_tokens)}
+
+    async def _parse(request: Request, schema):
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > cfg.max_body_bytes:
+            raise APIError(413, f"request body larger than {cfg.max_body_bytes} bytes")
+        body = await request.body()
+        if len(body) > cfg.max_body_bytes:
+            raise APIError(413, f"request body larger than {cfg.max_body_bytes} bytes")
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise bad_request(f"malformed JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise bad_request("the request body must be a JSON object")
+        try:
+            return schema.model_validate(data)
+        except ValidationError as e:
+            err = e.errors()[0]
+            param = ".".join(str(x) for x in err["loc"]) or None
+            raise bad_request(f"{param}: {err['msg']}" if param else err["msg"], param) from None
+
+    def _check_common(req) -> None:
+        if not state.client.healthy:
+            raise unavailable(state.client.dead_reason or "engine not ready")
+        if req.model != state.model_name:
+            raise APIError(404, f"model {req.model!r} does not exist; this server serves {state.model_name!r}",
+                           param="model", code="model_not_found")
+        if req.n > cfg.max_n:
+            raise bad_request(f"n={req.n} is not supported (at most {cfg.max_n})", "n")
+
+    def _start(req, prompt_ids: list[int]) -> Generation:
+        limit = state.max_model_len
+        if len(prompt_ids) >= limit:
+            raise bad_request(f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit}", "messages")
+        max_tokens = req.max_tokens if req.max_tokens is not None else limit - len(prompt_ids)
+        if len(prompt_ids) + max_tokens > limit:
+            raise bad_request(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context length {limit}",
+                "max_tokens")
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+            top_k=max(req.top_k, 0), min_p=req.min_p, seed=req.seed,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+            logprobs=req.num_logprobs,
+        )
+        rid = f"{'chatcmpl' if isinstance(req, ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"
+        return Generation(state.client, state.tokenizer, rid, prompt_ids, params, req.stop_strings,
+                          state.metrics, cfg.request_timeout_s)
+
+    async def _collect(request: Request, gen: Generation) -> list[Delta]:
+        """Run to completion, aborting the request if the client goes away first."""
+        async def run():
+            return [d async for d in gen.deltas()]
+
+        task = asyncio.create_task(run())
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "client disconnected")
+        try:
+            return task.result()
+        except EngineDead as e:
+            raise unavailable(str(e)) from None
+
+    def _stream(request, gen, make_chunk, rid, created, obj, req):
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def events():
+            first = True
+            try:
+                async for d in gen.deltas():
+                    yield f"data: {json.dumps(make_chunk(d, first))}\n\n"
+                    first = False
+            except (APIError, EngineDead) as e:
+                msg = e.message if isinstance(e, APIError) else str(e)
+                yield f"data: {json.dumps({'error': {'message': msg, 'type': 'server_error'}})}\n\n"
+                return
+            if include_usage:
+                body = {"id": rid, "object": obj, "created": created, "model": state.model_name,
+                        "choices": [], "usage": fmt.usage(len(gen.prompt_ids), gen.completion_tokens)}
+                yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    def _chat_chunk(rid, created, d: Delta, first: bool, req) -> dict:
+        delta = {"role": "assistant", "content": d.text} if first else {"content": d.text}
+        choice = {"index": 0, "delta": delta, "finish_reason": d.finish_reason, "logprobs": None}
+        if req.logprobs and d.token_ids:
+            choice["logprobs"] = fmt.chat_logprobs(state.tokenizer, [d])
+        return {"id": rid, "object": "chat.completion.chunk", "created": created,
+                "model": state.model_name, "choices": [choice]}
+
+    def _completion_chunk(rid, created, d: Delta, first: bool, req, echo: str, offset: list[int]) -> dict:
+        text = (echo if first else "") + d.text
+        choice = {"index": 0, "text": text, "finish_reason": d.finish_reason, "logprobs": None}
+        if req.logprobs is not None and d.token_ids:
+            choice["logprobs"] = fmt.completion_logprobs(state.tokenizer, [d], offset[0] + len(echo) * first)
+        offset[0] += len(text)
+        return {"id": rid, "object": "text_completion", "created": created,
+                "model": state.model_name, "choices": [choice]}
+
+    return app
+
+
+def _message_dict(m) -> dict:
+    d = {"role": m.role, "content": m.text() or ""}
+    if m.tool_calls:
+        d["tool_calls"] = m.tool_calls
+    if m.tool_call_id:
+        d["tool_call_id"] = m.tool_call_id
+    if m.name:
+        d["name"] = m.name
+    return d
+

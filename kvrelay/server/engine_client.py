@@ -1,0 +1,133 @@
+"""The API process's handle on the engine process: start it, send requests, route its outputs.
+
+A watchdog notices an engine that died: every waiting request gets an error at once, and the
+server reports itself unhealthy (503) instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import shutil
+import tempfile
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvrelay.config import EngineConfig
+from kvrelay.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineFailed,
+    EngineReady,
+    EngineStats,
+    FromEngine,
+    RequestOutput,
+    SamplingParams,
+    Shutdown,
+    StepOutputs,
+)
+from kvrelay.engine.process import engine_main
+
+log = logging.getLogger("kvrelay.api")
+
+
+class EngineDead(Exception):
+    pass
+
+
+class EngineClient:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self._dir = tempfile.mkdtemp(prefix="kvrelay-")
+        self._zctx = zmq.asyncio.Context()
+        self._to = self._zctx.socket(zmq.PUSH)
+        self._to.bind(f"ipc://{self._dir}/to_engine")
+        self._from = self._zctx.socket(zmq.PULL)
+        self._from.bind(f"ipc://{self._dir}/from_engine")
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(FromEngine)
+        self.proc = mp.get_context("spawn").Process(
+            target=engine_main,
+            args=(cfg, f"ipc://{self._dir}/to_engine", f"ipc://{self._dir}/from_engine"),
+            daemon=True,
+            name="kvrelay-engine",
+        )
+        self.queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self.ready: EngineReady | None = None
+        self.dead_reason: str | None = None
+        self.stats: EngineStats | None = None
+        self.on_step = None  # callback(StepOutputs), set by the API for metrics
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def healthy(self) -> bool:
+        return self.ready is not None and self.dead_reason is None and self.proc.is_alive()
+
+    async def start(self, timeout_s: float) -> EngineReady:
+        self.proc.start()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.ready is None:
+            if not self.proc.is_alive():
+                raise EngineDead(f"engine process exited with code {self.proc.exitcode} while starting")
+            if loop.time() > deadline:
+                raise EngineDead(f"engine did not start within {timeout_s:.0f}s")
+            if await self._from.poll(500):
+                msg = self._dec.decode(await self._from.recv())
+                if isinstance(msg, EngineFailed):
+                    raise EngineDead(f"engine failed to start: {msg.message}")
+                if isinstance(msg, EngineReady):
+                    self.ready = msg
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+        return self.ready
+
+    async def _read(self) -> None:
+        while True:
+            msg = self._dec.decode(await self._from.recv())
+            if not isinstance(msg, StepOutputs):
+                continue
+            if msg.stats is not None:
+                self.stats = msg.stats
+            if self.on_step is not None:
+                self.on_step(msg)
+            for out in msg.outputs:
+                q = self.queues.get(out.rid)
+                if q is not None:
+                    q.put_nowait(out)
+
+    async def _watch(self) -> None:
+        while self.proc.is_alive():
+            await asyncio.sleep(0.5)
+        self.dead_reason = f"engine process died (exit code {self.proc.exitcode})"
+        log.error("%s; failing %d in-flight requests", self.dead_reason, len(self.queues))
+        for rid, q in list(self.queues.items()):
+            q.put_nowait(RequestOutput(rid, [], finish_reason="error", error=self.dead_reason))
+
+    async def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
+        if not self.healthy:
+            raise EngineDead(self.dead_reason or "engine is not running")
+        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.queues[rid] = q
+        await self._to.send(self._enc.encode(AddRequest(rid, prompt_ids, params)))
+        return q
+
+    async def abort(self, rid: str) -> None:
+        if self.queues.pop(rid, None) is not None and self.healthy:
+            await self._to.send(self._enc.encode(AbortRequest(rid)))
+
+    def release(self, rid: str) -> None:
+        self.queues.pop(rid, None)
+
+    async def shutdown(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        if self.proc.is_alive():
+            await self._to.send(self._enc.encode(Shutdown()))
+            self.proc.join(timeout=10)
+            if self.proc.is_alive():
+                self.proc.kill()
+        self._zctx.destroy(linger=0)
+        shutil.rmtree(self._dir, ignore_errors=True)

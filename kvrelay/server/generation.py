@@ -1,0 +1,103 @@
+"""One request's life in the API process: engine tokens in, text deltas out, stop strings applied."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from kvrelay.engine.messages import RequestOutput, SamplingParams, TokenLogprob
+from kvrelay.server.engine_client import EngineClient
+from kvrelay.server.errors import APIError
+from kvrelay.server.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class Delta:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class Generation:
+    """Runs one request; iterate `deltas()`; usage figures are filled as it goes."""
+
+    client: EngineClient
+    tokenizer: object
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stops: list[str]
+    metrics: object
+    timeout_s: float
+    completion_tokens: int = 0
+    finished: bool = False
+    created: float = field(default_factory=time.time)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        q = await self.client.submit(self.rid, self.prompt_ids, self.params)
+        detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
+        hold = max((len(s) for s in self.stops), default=1) - 1  # chars that may start a stop string
+        pending = ""  # decoded text not yet released (it may begin a stop string)
+        start = time.perf_counter()
+        first_at = None
+        try:
+            while True:
+                try:
+                    out: RequestOutput = await asyncio.wait_for(q.get(), self.timeout_s)
+                except TimeoutError:
+                    raise APIError(504, f"request timed out after {self.timeout_s:.0f}s", "timeout") from None
+                if out.error:
+                    if out.finish_reason == "rejected":
+                        raise APIError(400, out.error)
+                    status = 503 if self.client.dead_reason else 500
+                    raise APIError(status, out.error, "server_error")
+                if out.finish_reason == "abort":
+                    raise APIError(499, "request aborted")
+                if out.token_ids and first_at is None:
+                    first_at = time.perf_counter()
+                    self.metrics.ttft.observe(first_at - start)
+                self.completion_tokens += len(out.token_ids)
+                new = detok.add(out.token_ids)
+                if out.finish_reason:
+                    new += detok.flush()
+                pending += new
+                reason = out.finish_reason
+                cut = _find_stop(pending, self.stops)
+                if cut is not None:
+                    pending, reason = pending[:cut], "stop"
+                done = reason is not None
+                release = pending if done else pending[: max(len(pending) - hold, 0)]
+                pending = pending[len(release) :]
+                yield Delta(
+                    release, out.token_ids, out.logprobs or [], out.top_logprobs or [], reason
+                )
+                if done:
+                    self.finished = True
+                    if out.finish_reason is None:  # we stopped it on a stop string
+                        await self.client.abort(self.rid)
+                    self._observe(start, first_at, reason)
+                    return
+        finally:
+            if not self.finished:
+                await self.client.abort(self.rid)
+            self.client.release(self.rid)
+
+    def _observe(self, start: float, first_at: float | None, reason: str) -> None:
+        end = time.perf_counter()
+        m = self.metrics
+        m.e2e.observe(end - start)
+        m.requests.labels(finish_reason=reason).inc()
+        m.prompt_tokens.inc(len(self.prompt_ids))
+        m.generation_tokens.inc(self.completion_tokens)
+        if first_at is not None and self.completion_tokens > 1:
+            m.tpot.observe((end - first_at) / (self.completion_tokens - 1))
+
+
+def _find_stop(text: str, stops: list[str]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None

@@ -1,0 +1,45 @@
+"""Prometheus metrics of one server (own registry: several servers can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvrelay.engine.messages import StepOutputs
+
+_LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60, 120)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("kvrelay_num_requests_running", "requests in the running batch", registry=r)
+        self.waiting = Gauge("kvrelay_num_requests_waiting", "requests waiting for admission", registry=r)
+        self.kv_usage = Gauge("kvrelay_kv_cache_usage_ratio", "fraction of KV pages in use", registry=r)
+        self.kv_used = Gauge("kvrelay_kv_pages_used", "KV pages in use", registry=r)
+        self.preemptions = Gauge("kvrelay_num_preemptions", "requests preempted so far", registry=r)
+        self.prompt_tokens = Counter("kvrelay_prompt_tokens", "prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("kvrelay_generation_tokens", "tokens generated", registry=r)
+        self.requests = Counter(
+            "kvrelay_requests", "finished requests by finish reason", ["finish_reason"], registry=r
+        )
+        self.errors = Counter("kvrelay_request_errors", "requests answered with an error", ["status"], registry=r)
+        self.ttft = Histogram("kvrelay_time_to_first_token_seconds", "TTFT", buckets=_LATENCY, registry=r)
+        self.tpot = Histogram(
+            "kvrelay_time_per_output_token_seconds", "TPOT", buckets=_LATENCY, registry=r
+        )
+        self.e2e = Histogram("kvrelay_e2e_request_latency_seconds", "latency", buckets=_LATENCY, registry=r)
+        self.step = Histogram(
+            "kvrelay_engine_step_seconds", "engine step time", buckets=_LATENCY, registry=r
+        )
+
+    def on_step(self, msg: StepOutputs) -> None:
+        s = msg.stats
+        if s is None:
+            return
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.kv_used.set(s.kv_pages_used)
+        self.kv_usage.set(s.kv_pages_used / max(s.kv_pages_total, 1))
+        self.preemptions.set(s.num_preemptions)
+        if s.batch_size:
+            self.step.observe(s.step_ms / 1e3)

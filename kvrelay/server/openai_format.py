@@ -1,0 +1,55 @@
+"""Build OpenAI response bodies (whole and streamed) from generation deltas."""
+
+from __future__ import annotations
+
+from kvrelay.server.generation import Delta
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def chat_logprobs(tokenizer, deltas: list[Delta]) -> dict:
+    content = []
+    for d in deltas:
+        for i, tok in enumerate(d.token_ids):
+            if i >= len(d.logprobs):
+                break
+            text = token_text(tokenizer, tok)
+            content.append(
+                {
+                    "token": text,
+                    "logprob": d.logprobs[i],
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {"token": (t := token_text(tokenizer, a.token_id)), "logprob": a.logprob, "bytes": list(t.encode())}
+                        for a in (d.top_logprobs[i] if i < len(d.top_logprobs) else [])
+                    ],
+                }
+            )
+    return {"content": content}
+
+
+def completion_logprobs(tokenizer, deltas: list[Delta], offset: int = 0) -> dict:
+    tokens, lps, tops, offsets = [], [], [], []
+    pos = offset
+    for d in deltas:
+        for i, tok in enumerate(d.token_ids):
+            if i >= len(d.logprobs):
+                break
+            text = token_text(tokenizer, tok)
+            tokens.append(text)
+            lps.append(d.logprobs[i])
+            offsets.append(pos)
+            pos += len(text)
+            top = d.top_logprobs[i] if i < len(d.top_logprobs) else []
+            tops.append({token_text(tokenizer, a.token_id): a.logprob for a in top})
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

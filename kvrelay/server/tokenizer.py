@@ -1,0 +1,60 @@
+"""The model's tokenizer and chat template, and an incremental detokenizer."""
+
+from __future__ import annotations
+
+from kvrelay.weights.loader import ModelSource
+
+
+def load_tokenizer(src: ModelSource):
+    from transformers import AutoTokenizer
+
+    if src.tokenizer_gguf:
+        return AutoTokenizer.from_pretrained(src.tokenizer_dir, gguf_file=src.tokenizer_gguf)
+    return AutoTokenizer.from_pretrained(src.tokenizer_dir)
+
+
+def apply_chat_template(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    if not tokenizer.chat_template:
+        raise ValueError("this model has no chat template; use /v1/completions")
+    out = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+class IncrementalDetokenizer:
+    """Emits text as tokens arrive, holding back bytes of an unfinished UTF-8 character.
+
+    Decodes a small window (a few tokens before the unread ones) rather than the whole output,
+    so each step costs O(1) regardless of output length.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.ids = list(prompt_ids[-6:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
+
+    def add(self, token_ids: list[int]) -> str:
+        self.ids += token_ids
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            new = full[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.text += new
+            return new
+        return ""
+
+
+    def flush(self) -> str:
+        """At the end of a request: whatever was held back, even an incomplete character."""
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        new = full[len(prefix) :]
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += new
+        return new
