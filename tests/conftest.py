@@ -1,0 +1,105 @@
+"""Shared fixtures: a real `kvrelay serve` subprocess, and the gpu marker's skip rule."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`kvrelay serve` as a real process; stopped (and its engine with it) on close."""
+
+    def __init__(self, *args: str, log_path: str | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path or f"/tmp/kvrelay-test-{self.port}.log"
+        self._log = open(self.log_path, "w")
+        env = dict(os.environ, KVRELAY_CPU_THREADS=os.environ.get("KVRELAY_CPU_THREADS", "2"))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(self.port), *args],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env,
+        )
+        self.wait_healthy()
+
+    def wait_healthy(self, timeout: float = 180.0) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}); log:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"server not healthy in {timeout}s; log:\n{self.log()}")
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()[-4000:]
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics", timeout=5).text
+        for line in text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def engine_pid(self) -> int:
+        """The spawned engine child (not multiprocessing's resource tracker)."""
+        for task in os.listdir(f"/proc/{self.proc.pid}/task"):
+            with open(f"/proc/{self.proc.pid}/task/{task}/children") as f:
+                for pid in f.read().split():
+                    with open(f"/proc/{pid}/cmdline", "rb") as c:
+                        cmd = c.read().decode(errors="replace")
+                    if "spawn_main" in cmd and "resource_tracker" not in cmd:
+                        return int(pid)
+        raise RuntimeError("engine process not found")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def server():
+    """The embedded SmolLM2 behind a real HTTP server, shared by the API tests."""
+    s = ServerProcess("--model", "smollm2", "--max-total-tokens", "65536", "--max-num-batched-tokens", "512")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    from kvrelay.server.tokenizer import load_tokenizer
+    from kvrelay.weights.loader import resolve
+
+    return load_tokenizer(resolve("smollm2"))
