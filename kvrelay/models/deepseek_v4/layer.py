@@ -1,0 +1,46 @@
+"""One DeepSeek-V4 block: attention and MoE, each wrapped by its own hyper-connection."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvrelay.models.deepseek_v4.attention import Attention
+from kvrelay.models.deepseek_v4.config import DeepseekV4Config
+from kvrelay.models.deepseek_v4.mhc import HyperConnection
+from kvrelay.models.deepseek_v4.moe import MoE
+from kvrelay.models.deepseek_v4.norms import RMSNorm
+from kvrelay.models.deepseek_v4.state import LayerState
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: DeepseekV4Config,
+        layer_type: str,
+        hash_routed: bool,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        c = config
+        self.self_attn = Attention(c, layer_type, dtype)
+        self.mlp = MoE(c, hash_routed, dtype)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        hc = (c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, dtype)
+        self.attn_hc = HyperConnection(*hc)
+        self.ffn_hc = HyperConnection(*hc)
+
+    def empty_state(self, device: torch.device | str = "cpu") -> LayerState:
+        return self.self_attn.empty_state(device)
+
+    def forward(
+        self, streams: torch.Tensor, input_ids: torch.Tensor, start: int, state: LayerState
+    ) -> tuple[torch.Tensor, LayerState]:
+        """streams: [n, hc_mult, hidden] of tokens start..start+n-1 -> (streams, state)."""
+        h, post, comb = self.attn_hc(streams)
+        out, state = self.self_attn(self.input_layernorm(h), start, state)
+        streams = HyperConnection.merge(out, streams, post, comb)
+        h, post, comb = self.ffn_hc(streams)
+        out = self.mlp(self.post_attention_layernorm(h), input_ids)
+        return HyperConnection.merge(out, streams, post, comb), state

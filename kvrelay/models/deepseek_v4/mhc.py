@@ -1,0 +1,94 @@
+"""Manifold-constrained hyper-connections (mHC): the hc_mult residual streams around each sub-layer,
+the Sinkhorn projection of their mixing matrix, and the final stream collapse (hyper head)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvrelay.models.deepseek_v4.precision import wide, wide_dtype
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Near doubly-stochastic [..., n, n]: row softmax (+eps), then alternate column/row
+    normalisation, `iters` column normalisations in all."""
+    c = logits.softmax(dim=-1) + eps
+    c = c / (c.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(dim=-1, keepdim=True) + eps)
+        c = c / (c.sum(dim=-2, keepdim=True) + eps)
+    return c
+
+
+def _stream_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """(flatten(X) . fn^T) * rsqrt(mean(flatten(X)^2) + eps), in the wide dtype."""
+    flat = wide(streams).flatten(-2)
+    rms = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    return F.linear(flat, fn.to(flat.dtype)) * rms
+
+
+class HyperConnection(nn.Module):
+    """Pre/post/comb weights of one sub-layer (attention or FFN); parameters stay fp32."""
+
+    def __init__(
+        self,
+        hc_mult: int,
+        hidden_size: int,
+        sinkhorn_iters: int,
+        hc_eps: float,
+        norm_eps: float,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        n, wdt = hc_mult, wide_dtype(dtype)
+        self.hc_mult, self.iters, self.hc_eps, self.norm_eps = n, sinkhorn_iters, hc_eps, norm_eps
+        self.fn = nn.Parameter(torch.zeros((2 + n) * n, n * hidden_size, dtype=wdt))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=wdt))
+        self.scale = nn.Parameter(torch.ones(3, dtype=wdt))
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [T, n, D] -> (sub-layer input [T, D], post [T, n], comb [T, n, n])."""
+        n = self.hc_mult
+        mix = _stream_mix(streams, self.fn, self.norm_eps)
+        base, scale = self.base.to(mix.dtype), self.scale.to(mix.dtype)
+        pre = torch.sigmoid(mix[:, :n] * scale[0] + base[:n]) + self.hc_eps
+        post = 2 * torch.sigmoid(mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+        comb_logits = (mix[:, 2 * n :] * scale[2] + base[2 * n :]).unflatten(-1, (n, n))
+        comb = sinkhorn(comb_logits, self.iters, self.hc_eps)
+        collapsed = (pre[..., None] * wide(streams)).sum(dim=1).to(streams.dtype)
+        return collapsed, post, comb
+
+    @staticmethod
+    def merge(
+        out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
+        """X'_j = post_j * out + sum_i comb[i, j] * X_i (comb is applied transposed)."""
+        w = wide(streams)
+        mixed = torch.einsum("tij,tid->tjd", comb.to(w.dtype), w)
+        return (post.to(w.dtype)[..., None] * wide(out)[:, None, :] + mixed).to(streams.dtype)
+
+
+class HyperHead(nn.Module):
+    """Collapses the streams into one hidden state before the final norm and the LM head."""
+
+    def __init__(
+        self,
+        hc_mult: int,
+        hidden_size: int,
+        hc_eps: float,
+        norm_eps: float,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        wdt = wide_dtype(dtype)
+        self.hc_eps, self.norm_eps = hc_eps, norm_eps
+        self.hc_fn = nn.Parameter(torch.zeros(hc_mult, hc_mult * hidden_size, dtype=wdt))
+        self.hc_base = nn.Parameter(torch.zeros(hc_mult, dtype=wdt))
+        self.hc_scale = nn.Parameter(torch.ones(1, dtype=wdt))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        mix = _stream_mix(streams, self.hc_fn, self.norm_eps)
+        pre = torch.sigmoid(mix * self.hc_scale.to(mix.dtype) + self.hc_base.to(mix.dtype))
+        pre = pre + self.hc_eps
+        return (pre[..., None] * wide(streams)).sum(dim=1).to(streams.dtype)

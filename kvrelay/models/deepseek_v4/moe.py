@@ -1,0 +1,108 @@
+"""DeepSeek-V4 MoE: sqrt-softplus router (bias-corrected top-k, or hash routing through
+`tid2eid`), routed scaling, clamped SwiGLU experts and one shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvrelay.models.deepseek_v4.config import DeepseekV4Config
+from kvrelay.models.deepseek_v4.precision import wide, wide_dtype
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit); limit <= 0 disables the clamp."""
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+class Router(nn.Module):
+    def __init__(
+        self, config: DeepseekV4Config, hash_routed: bool, dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__()
+        c = config
+        self.hash_routed, self.top_k = hash_routed, c.num_experts_per_tok
+        self.scoring_func, self.norm_topk_prob = c.scoring_func, c.norm_topk_prob
+        self.routed_scaling_factor = c.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(c.n_routed_experts, c.hidden_size, dtype=dtype))
+        if hash_routed:
+            self.register_buffer("tid2eid", torch.zeros(c.vocab_size, self.top_k, dtype=torch.long))
+        else:  # corrects selection only, never the weights (noaux_tc)
+            self.register_buffer(
+                "e_score_correction_bias", torch.zeros(c.n_routed_experts, dtype=wide_dtype(dtype))
+            )
+
+    def forward(
+        self, x: torch.Tensor, input_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [n, hidden] -> (weights [n, k] wide, expert indices [n, k])."""
+        xw = wide(x)
+        logits = F.linear(xw, self.weight.to(xw.dtype))  # the gate runs in fp32
+        if self.scoring_func == "sqrtsoftplus":
+            scores = F.softplus(logits).sqrt()
+        elif self.scoring_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = logits.softmax(dim=-1)
+        if self.hash_routed:
+            idx = self.tid2eid[input_ids].long()
+        else:
+            biased = scores + self.e_score_correction_bias.to(scores.dtype)
+            idx = biased.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, idx)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.routed_scaling_factor, idx
+
+
+class Experts(nn.Module):
+    """All routed experts as stacked weights (HF layout: gate and up fused, gate first)."""
+
+    def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.limit = config.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.zeros(e, h, i, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=weights.dtype, device=x.device)
+        for e in idx.unique().tolist():
+            tok, slot = torch.nonzero(idx == e, as_tuple=True)
+            gate, up = wide(F.linear(x[tok], self.gate_up_proj[e])).chunk(2, dim=-1)
+            # the reference scales by the routing weight before the down projection
+            act = clamped_swiglu(gate, up, self.limit) * weights[tok, slot][:, None]
+            out.index_add_(0, tok, wide(F.linear(act.to(x.dtype), self.down_proj[e])).to(out.dtype))
+        return out
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.moe_intermediate_size * config.n_shared_experts
+        self.limit = config.swiglu_limit
+        self.gate_proj = nn.Linear(h, i, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(h, i, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(i, h, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = clamped_swiglu(wide(self.gate_proj(x)), wide(self.up_proj(x)), self.limit)
+        return self.down_proj(act.to(x.dtype))
+
+
+class MoE(nn.Module):
+    def __init__(
+        self, config: DeepseekV4Config, hash_routed: bool, dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__()
+        self.gate = Router(config, hash_routed, dtype)
+        self.experts = Experts(config, dtype)
+        self.shared_experts = SharedExpert(config, dtype)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, idx = self.gate(x, input_ids)
+        routed = self.experts(x, weights, idx)
+        return (routed + wide(self.shared_experts(x))).to(x.dtype)

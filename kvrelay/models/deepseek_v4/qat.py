@@ -1,0 +1,70 @@
+"""The reference's quantisation simulations (QAT numerics) on the KV path, and the Hadamard rotation.
+
+Private twins of `kvrelay.quant`'s `fake_quant_fp8_ue8m0` / `fake_quant_fp4` (same rounding and
+scale rules, bit-identical on fp32 inputs), kept here because those compute in fp32 while the
+float64 oracle tests run this model in fp64: both round a tensor to what the reference's FP8
+KV cache and FP4 index keys would hold, and return it in the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvrelay.models.deepseek_v4.precision import wide
+
+_FP8_MAX = 448.0
+_FP4_MAX = 6.0
+# e2m1 magnitudes; midpoints between neighbours decide the rounding
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _ue8m0_scale(
+    x: torch.Tensor, block: int, qmax: float, amax_floor: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of `block` along the last dim and their power-of-two scales (amax / qmax rounded up)."""
+    blocks = wide(x).unflatten(-1, (-1, block))
+    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp(min=amax_floor)
+    return blocks, torch.exp2(torch.ceil(torch.log2(amax / qmax)))
+
+
+def fake_quant_fp8_ue8m0(x: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """Round to FP8 e4m3 with one ue8m0 (power-of-two) scale per `block` values."""
+    blocks, scale = _ue8m0_scale(x, block, _FP8_MAX, 1e-4)
+    q = (blocks / scale).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).to(blocks.dtype)
+    return (q * scale).flatten(-2).to(x.dtype)
+
+
+def _round_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """Round |v| <= 6 to the nearest e2m1 value, ties to the even mantissa (as a cast would)."""
+    grid = torch.tensor(_E2M1, dtype=v.dtype, device=v.device)
+    mag = v.abs().clamp(max=_FP4_MAX)
+    # candidate below and above, then pick the nearer; on a tie the one with even code wins
+    hi_idx = torch.searchsorted(grid, mag.contiguous(), right=False).clamp(max=len(_E2M1) - 1)
+    lo_idx = (hi_idx - 1).clamp(min=0)
+    lo, hi = grid[lo_idx], grid[hi_idx]
+    d_lo, d_hi = mag - lo, hi - mag
+    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi_idx % 2 == 0))
+    return torch.where(pick_hi, hi, lo) * v.sign()
+
+
+def fake_quant_fp4(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """Round to FP4 e2m1 with one ue8m0 scale per `block` values."""
+    blocks, scale = _ue8m0_scale(x, block, _FP4_MAX, _FP4_MAX * 2.0**-126)
+    return (_round_e2m1(blocks / scale) * scale).flatten(-2).to(x.dtype)
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal Walsh-Hadamard transform (Sylvester order) over the last dim, a power of two."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"Hadamard size {n} is not a power of two")
+    y = wide(x)
+    h = 1
+    while h < n:
+        y = y.unflatten(-1, (n // (2 * h), 2, h))
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2).flatten(-3)
+        h *= 2
+    return (y * (1.0 / math.sqrt(n))).to(x.dtype)
