@@ -33,6 +33,10 @@ class ModelConfig:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         attn = h * self.head_dim * (self.num_heads * 2 + self.num_kv_heads * 2)
         layer = attn + 3 * h * i + 2 * h
+        if self.qk_norm:
+            layer += 2 * self.head_dim
+        if self.attention_bias:
+            layer += (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         head = 0 if self.tie_word_embeddings else v * h
         return self.num_layers * layer + v * h + head + h
 

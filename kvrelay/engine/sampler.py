@@ -36,7 +36,9 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     logits = logits / temp[:, None]
     top_k = [p.top_k for p in params]
     if any(k > 0 for k in top_k):
-        k = torch.tensor([k if k > 0 else logits.shape[1] for k in top_k], device=dev)
+        vocab = logits.shape[1]
+        # top_k beyond the vocabulary (or 0: off) keeps every token.
+        k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=dev)
         kth = torch.sort(logits, dim=1, descending=True).values.gather(1, (k - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=1)
@@ -78,7 +80,7 @@ def sample(
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:
         lp = torch.log_softmax(raw[want], dim=1)
-        k = max(params[i].logprobs for i in want)
+        k = min(max(params[i].logprobs for i in want), lp.shape[1])
         top_v, top_i = lp.topk(k, dim=1) if k > 0 else (lp[:, :0], lp[:, :0].long())
         chosen_lp = lp.gather(1, chosen[want][:, None]).squeeze(1).tolist()
         top_v, top_i = top_v.tolist(), top_i.tolist()

@@ -94,7 +94,11 @@ class Scheduler:
         return victim
 
     def schedule(self) -> tuple[list[ScheduledRequest], list[Request]]:
-        """Returns the step's work and the requests that cannot ever fit (to be failed)."""
+        """Returns the step's work and the requests that cannot ever fit.
+
+        Those are already out of the queues (finished with reason "error", pages freed); calling
+        `finish` on them again is harmless.
+        """
         budget = self.cfg.max_num_batched_tokens
         batch: list[ScheduledRequest] = []
         unfittable: list[Request] = []
@@ -106,6 +110,10 @@ class Scheduler:
                 victim = self._preempt_newest()
                 batch = [s for s in batch if s.req is not victim]
                 if victim is req:
+                    if not self.running:
+                        # Alone it still cannot grow: even the whole pool is too small.
+                        self.finish(req, "error")
+                        unfittable.append(req)
                     break
             if req.status == Status.RUNNING:
                 batch.append(ScheduledRequest(req, n))
@@ -113,6 +121,12 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens - sum(s.num_new_tokens for s in batch)
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
             req = self.waiting[0]
+            if self._pages_for(req.num_tokens) > self.allocator.num_usable:
+                # Even an empty pool cannot hold its tokens: it can never run (and must not be
+                # admitted chunk by chunk only to preempt itself forever).
+                self.finish(req, "error")
+                unfittable.append(req)
+                continue
             reserved = sum(self._future_pages(r) for r in self.running)
             need = self._future_pages(req)
             if self.allocator.num_free - reserved < need and self.running:
@@ -121,7 +135,7 @@ class Scheduler:
             if not self._grow(req, req.num_computed + n):
                 if not self.running:
                     # Even an empty pool cannot hold this chunk: the request can never run.
-                    self.waiting.popleft()
+                    self.finish(req, "error")
                     unfittable.append(req)
                     continue
                 break

