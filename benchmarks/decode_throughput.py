@@ -29,7 +29,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for a dry run o
 
 def sync() -> None:
     if DEV == "cuda":
-        sync()
+        torch.cuda.synchronize()
 
 
 def copy_bandwidth() -> float:
@@ -123,7 +123,7 @@ def hf_peer(engine: Engine, batch: int, context: int, new_tokens: int) -> dict:
     )
     with torch.device(DEV):
         hf = LlamaForCausalLM(hf_cfg).to(engine.runner.dtype).eval()
-    sd = {k: v for k, v in engine.runner.model.state_dict().items() if not k.startswith("rotary")}
+    sd = engine.runner.model.hf_state_dict()
     missing, unexpected = hf.load_state_dict(sd, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     ids = torch.randint(0, c.vocab_size, (batch, context), device=DEV)

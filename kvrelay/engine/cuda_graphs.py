@@ -12,7 +12,7 @@ BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 19
 
 
 class CudaGraphRunner:
-    def __init__(self, model, kv_layers, backend, max_bs: int, max_pages: int, device) -> None:
+    def __init__(self, model, kv_layers, backend, ops, max_bs: int, max_pages: int, device) -> None:
         self.model = model
         self.buckets = [b for b in BUCKETS if b <= max_bs]
         self.max_bs = self.buckets[-1]
@@ -33,6 +33,7 @@ class CudaGraphRunner:
                 ),
                 kv_layers,
                 backend,
+                ops,
             )
             run = lambda bs=bs, ctx=ctx: model.compute_logits(  # noqa: E731
                 model(self.input_ids[:bs], self.positions[:bs], ctx)

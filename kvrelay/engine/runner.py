@@ -13,6 +13,7 @@ from kvrelay.config import EngineConfig
 from kvrelay.engine.batch import ForwardBatch, prepare
 from kvrelay.engine.scheduler import ScheduledRequest
 from kvrelay.layers.attention import make_backend
+from kvrelay.layers.ops import TORCH_OPS, triton_ops
 from kvrelay.models.llama import ForwardContext
 from kvrelay.weights.loader import ModelSource, build_model
 
@@ -42,12 +43,14 @@ class ModelRunner:
         self.dtype = pick_dtype(cfg.dtype, self.device)
         self.page_size = cfg.cache.page_size
         torch.manual_seed(cfg.seed)
-        self.model = build_model(src, self.dtype, self.device, cfg.seed)
+        self.model = build_model(src, self.dtype, self.device, cfg.seed, cfg.max_model_len or 1 << 17)
         self.model_cfg = src.config
         backend = cfg.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.backend = make_backend(backend)
+        # The Triton backend also brings the fused per-token kernels; "torch" is the reference.
+        self.ops = triton_ops() if backend == "triton" else TORCH_OPS
         num_pages = self._num_pages()
         self.kv = KVPool(self.model_cfg, num_pages, self.page_size, self.dtype, self.device)
         self.allocator = PageAllocator(num_pages)
@@ -59,7 +62,7 @@ class ModelRunner:
 
             max_pages = _cdiv(self.max_model_len, self.page_size)
             self.graphs = CudaGraphRunner(
-                self.model, self.kv.layers, self.backend, cfg.max_cuda_graph_batch, max_pages, self.device
+                self.model, self.kv.layers, self.backend, self.ops, cfg.max_cuda_graph_batch, max_pages, self.device
             )
         log.info(
             "runner ready device=%s dtype=%s backend=%s kv_pages=%d page_size=%d max_model_len=%d cuda_graphs=%s",
@@ -93,6 +96,6 @@ class ModelRunner:
     def forward_batch(self, fb: ForwardBatch) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(fb):
             return self.graphs.run(fb)
-        ctx = ForwardContext(fb.attn, self.kv.layers, self.backend)
+        ctx = ForwardContext(fb.attn, self.kv.layers, self.backend, self.ops)
         hidden = self.model(fb.input_ids, fb.positions, ctx)
         return self.model.compute_logits(hidden[fb.sample_rows])

@@ -83,3 +83,30 @@ def paged_attention(
             )
         out[start:end] = o[0].transpose(0, 1).to(q.dtype)
     return out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, new_residual): new_residual = x + residual (in x's dtype), normed from it.
+
+    The math and roundings are HF's LlamaRMSNorm: float32 inside, cast back, then the weight.
+    """
+    if residual is not None:
+        x = x + residual
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype), x
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [T, H, D]; cos/sin: [T, D] (both halves equal)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] holding gate then up; returns silu(gate) * up: [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -28,19 +28,16 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None) -> None:
+    """cos/sin tables for every position, computed once in float32 exactly as HF computes them
+    per step (the same elementwise products), then looked up per token."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_positions: int, dtype, device) -> None:
         super().__init__()
-        inv, self.attention_scaling = _inv_freq(head_dim, theta, scaling)
-        self.register_buffer("inv_freq", inv, persistent=False)
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        inv, scale = _inv_freq(head_dim, theta, scaling)
+        freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+        self.cos = (emb.cos() * scale).to(device=device, dtype=dtype)
+        self.sin = (emb.sin() * scale).to(device=device, dtype=dtype)
 
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos/sin: [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)

@@ -1,4 +1,8 @@
-"""Dense Llama-family decoder: Llama, SmolLM2, Qwen2 (qkv bias), Qwen3 (qk-norm)."""
+"""Dense Llama-family decoder: Llama, SmolLM2, Qwen2 (qkv bias), Qwen3 (qk-norm).
+
+q/k/v and gate/up are fused into one projection each (fewer, larger GEMMs); the residual add is
+fused into the next RMSNorm. Checkpoint names (HF) are mapped onto the fused weights on load.
+"""
 
 from __future__ import annotations
 
@@ -9,31 +13,39 @@ from torch import nn
 from kvrelay.config import ModelConfig
 from kvrelay.layers.attention import AttentionBackend, AttentionMetadata
 from kvrelay.layers.norm import RMSNorm
-from kvrelay.layers.rope import RotaryEmbedding, apply_rope
+from kvrelay.layers.ops import TORCH_OPS, Ops
+
+
+class ForwardContext:
+    """Everything one forward pass needs besides the weights (no module-level state)."""
+
+    def __init__(self, attn: AttentionMetadata, kv_caches, attn_backend: AttentionBackend, ops: Ops = TORCH_OPS):
+        self.attn, self.kv_caches, self.attn_backend, self.ops = attn, kv_caches, attn_backend, ops
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer, self.cfg = layer, cfg
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        d = cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.scale = d**-0.5
 
     def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
-        t, d = x.shape[0], self.cfg.head_dim
-        q = self.q_proj(x).view(t, self.cfg.num_heads, d)
-        k = self.k_proj(x).view(t, self.cfg.num_kv_heads, d)
-        v = self.v_proj(x).view(t, self.cfg.num_kv_heads, d)
+        t, d, ops = x.shape[0], self.cfg.head_dim, ctx.ops
+        qkv = self.qkv_proj(x)
+        q = qkv[:, : self.q_size].view(t, -1, d)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, -1, d)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, -1, d)
         if self.cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)[0]
+            k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)[0]
+        q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
         k_cache, v_cache = ctx.kv_caches[self.layer]
         o = ctx.attn_backend.forward(q, k, v, k_cache, v_cache, ctx.attn, self.scale)
         return self.o_proj(o.reshape(t, -1))
@@ -42,12 +54,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.down_proj(ctx.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -58,16 +69,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class ForwardContext:
-    """Everything one forward pass needs besides the weights (no module-level state)."""
-
-    def __init__(self, attn: AttentionMetadata, kv_caches, attn_backend: AttentionBackend):
-        self.attn, self.kv_caches, self.attn_backend = attn, kv_caches, attn_backend
+    def forward(self, x, residual, cos, sin, ctx: ForwardContext):
+        """Returns (this layer's output, the residual stream before adding it)."""
+        n1, n2, ops = self.input_layernorm, self.post_attention_layernorm, ctx.ops
+        h, residual = ops.rms_norm(x, n1.weight, n1.eps, residual)
+        h = self.self_attn(h, cos, sin, ctx)
+        h, residual = ops.rms_norm(h, n2.weight, n2.eps, residual)
+        return self.mlp(h, ctx), residual
 
 
 class Backbone(nn.Module):
@@ -78,41 +86,90 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+# HF checkpoint name -> (fused parameter, shard index) for the fused projections.
+_PACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.model = Backbone(cfg)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = None  # set by the loader once dtype and device are known
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
         """Returns the final-normed hidden states of every new token: [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        cos, sin = self.rotary.cos_sin(positions)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, ctx)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, ctx)
+        norm = self.model.norm
+        return ctx.ops.rms_norm(x, norm.weight, norm.eps, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, w).float()
 
+    def _shard_sizes(self, fused: str) -> list[int]:
+        c = self.cfg
+        if fused == "qkv_proj":
+            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        return [c.intermediate_size, c.intermediate_size]
+
     def load_weights(self, weights) -> None:
+        """Load HF-named tensors, packing q/k/v and gate/up into their fused parameters."""
         params = dict(self.named_parameters())
+        expected = set()
+        for name in params:
+            mod, _, leaf = name.rpartition(".")
+            owner = mod.rpartition(".")[2]
+            packed = [k for k, (f, _) in _PACKED.items() if f == owner]
+            if packed:
+                expected |= {f"{mod.rpartition('.')[0]}.{k}.{leaf}" for k in packed}
+            else:
+                expected.add(name)
         seen = set()
         for name, tensor in weights:
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
-            if name not in params:
+            if name not in expected:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            p = params[name]
-            if p.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(p.shape)}")
+            mod, _, leaf = name.rpartition(".")
+            parent, _, owner = mod.rpartition(".")
+            if owner in _PACKED:
+                fused, idx = _PACKED[owner]
+                sizes = self._shard_sizes(fused)
+                target = params[f"{parent}.{fused}.{leaf}"].narrow(0, sum(sizes[:idx]), sizes[idx])
+            else:
+                target = params[name]
+            if target.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
             with torch.no_grad():
-                p.copy_(tensor)
+                target.copy_(tensor)
             seen.add(name)
-        missing = set(params) - seen
+        missing = expected - seen
         if missing:
             raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under HF names (fused projections split back), e.g. to load into HF."""
+        out = {}
+        for name, p in self.named_parameters():
+            mod, _, leaf = name.rpartition(".")
+            parent, _, owner = mod.rpartition(".")
+            packed = [k for k, (f, _) in _PACKED.items() if f == owner]
+            if not packed:
+                out[name] = p.detach()
+                continue
+            for k, piece in zip(packed, p.detach().split(self._shard_sizes(owner)), strict=True):
+                out[f"{parent}.{k}.{leaf}"] = piece
+        return out

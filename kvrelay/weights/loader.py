@@ -62,7 +62,7 @@ def resolve(model: str, load_format: str = "auto") -> ModelSource:
     )
 
 
-def build_model(src: ModelSource, dtype: torch.dtype, device: torch.device, seed: int = 0):
+def build_model(src: ModelSource, dtype: torch.dtype, device: torch.device, seed: int = 0, max_positions: int = 1 << 17):
     cls = model_class(src.config.architecture)
     with torch.device("meta"):
         model = cls(src.config)
@@ -75,8 +75,9 @@ def build_model(src: ModelSource, dtype: torch.dtype, device: torch.device, seed
     else:
         model.load_weights(hf_dir.read_weights(src.path))
     model = model.to(dtype).eval()
-    # Rebuilt after the dtype cast: the RoPE frequencies must stay float32.
-    model.rotary = RotaryEmbedding(src.config.head_dim, src.config.rope_theta, src.config.rope_scaling).to(device)
+    c = src.config
+    max_positions = min(c.max_position_embeddings, max_positions)
+    model.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, max_positions, dtype, device)
     return model
 
 

@@ -26,7 +26,7 @@ def _meta_model(name: str) -> LlamaForCausalLM:
 def test_preset_builds_with_the_configured_shapes(name: str) -> None:
     cfg = PRESETS[name]
     model = _meta_model(name)
-    p = dict(model.named_parameters())
+    p = model.hf_state_dict()  # HF names: the fused q/k/v and gate/up split back
     h, d = cfg.hidden_size, cfg.head_dim
     assert p["model.embed_tokens.weight"].shape == (cfg.vocab_size, h)
     assert ("lm_head.weight" in p) is not cfg.tie_word_embeddings
@@ -45,7 +45,6 @@ def test_preset_builds_with_the_configured_shapes(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_num_params_counts_every_parameter(name: str) -> None:
-    # Fails for qwen3-tiny: ModelConfig.num_params leaves out the q_norm/k_norm weights.
     model = _meta_model(name)
     assert PRESETS[name].num_params == sum(p.numel() for p in model.parameters())
 
@@ -56,10 +55,10 @@ def test_llama_1b_is_llama_3_2_1b_shaped() -> None:
     assert cfg.num_params == 1_235_814_400  # Llama-3.2-1B, tied embeddings
     model = _meta_model("llama-1b")
     assert all(p.device.type == "meta" for p in model.parameters())
-    layer = model.model.layers[0]
-    assert layer.self_attn.q_proj.weight.shape == (2048, 2048)
-    assert layer.self_attn.k_proj.weight.shape == (512, 2048)
-    assert layer.mlp.up_proj.weight.shape == (8192, 2048)
+    p = model.hf_state_dict()
+    assert p["model.layers.0.self_attn.q_proj.weight"].shape == (2048, 2048)
+    assert p["model.layers.0.self_attn.k_proj.weight"].shape == (512, 2048)
+    assert p["model.layers.0.mlp.up_proj.weight"].shape == (8192, 2048)
     assert len(model.model.layers) == 16 and not hasattr(model, "lm_head")
 
 
@@ -78,9 +77,11 @@ def test_llama_1b_rope_matches_hf_llama3() -> None:
         rope_parameters={**cfg.rope_scaling, "rope_theta": cfg.rope_theta},
     )
     ref, scaling = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, torch.device("cpu"))
-    ours = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    torch.testing.assert_close(ours.inv_freq, ref.float(), rtol=1e-6, atol=0)
-    assert ours.attention_scaling == scaling
+    ours = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, 4096, torch.float32, "cpu")
+    pos = torch.arange(4096).float()[:, None] * ref.float()[None, :]
+    want = torch.cat((pos, pos), -1)
+    torch.testing.assert_close(ours.cos, want.cos() * scaling, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours.sin, want.sin() * scaling, rtol=0, atol=1e-6)
 
 
 def _qwen3_tiny(seed: int) -> Engine:
