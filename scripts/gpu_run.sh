@@ -11,4 +11,4 @@ fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 python3 benchmarks/decode_throughput.py --steps 20 --out "$OUT/decode_throughput.json" 2>&1 | tee "$OUT/decode_throughput.log" | grep -v Warning | tail -20
-python3 -m pytest -q -m gpu -p no:cacheprovider "${@:-tests/gpu/test_engine_gpu.py}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+python3 -m pytest -q -m gpu -p no:cacheprovider ${@:-tests/gpu/test_triton_pointwise.py tests/gpu/test_engine_gpu.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
