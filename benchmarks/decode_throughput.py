@@ -154,7 +154,7 @@ def greedy_agreement(model: str, num_prompts: int, new_tokens: int) -> list[dict
                                   cuda_graphs=name == "fast", cache=CacheConfig(max_total_tokens=8192)))
         g = torch.Generator().manual_seed(2)
         prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in lens]
-        params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, logprobs=1)
+        params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, logprobs=2)
         results[name] = generate(eng, prompts, params)
         del eng
         torch.cuda.empty_cache() if DEV == "cuda" else None

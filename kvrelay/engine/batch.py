@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvrelay.engine.scheduler import ScheduledRequest
@@ -30,19 +31,19 @@ def prepare(batch: list[ScheduledRequest], page_size: int, device: torch.device)
     seq_lens: list[int] = []
     cu = [0]
     sample_rows: list[int] = []
-    max_pages = max(len(s.req.pages) for s in batch)
-    table = torch.zeros((len(batch), max_pages), dtype=torch.int32)
+    table = np.zeros((len(batch), max(len(s.req.pages) for s in batch)), dtype=np.int32)
     for b, s in enumerate(batch):
         r, start = s.req, s.req.num_computed
         end = start + s.num_new_tokens
-        ids += r.all_ids[start:end]
+        ids += r.token_slice(start, end)
         pos += range(start, end)
-        slots += [r.pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
+        pages = r.pages
+        slots += [pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
         seq_lens.append(end)
         cu.append(cu[-1] + s.num_new_tokens)
         if s.samples:
             sample_rows.append(cu[-1] - 1)
-        table[b, : len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
+        table[b, : len(pages)] = pages
 
     def to_dev(x, dtype):
         return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
@@ -50,7 +51,7 @@ def prepare(batch: list[ScheduledRequest], page_size: int, device: torch.device)
     is_decode = cu[-1] == len(batch)
     meta = AttentionMetadata(
         slot_mapping=to_dev(slots, torch.int64),
-        page_table=table.to(device, non_blocking=True),
+        page_table=torch.from_numpy(table).to(device, non_blocking=True),
         seq_lens=to_dev(seq_lens, torch.int32),
         cu_seqlens_q=to_dev(cu, torch.int32),
         max_q_len=max(s.num_new_tokens for s in batch),

@@ -26,7 +26,7 @@ def _run(backend: str, graphs: bool, chunk: int = 2048):
     g = torch.Generator().manual_seed(3)
     lens = [1, 7, 16, 17, 100, 257, 600, 1500]
     prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in lens]
-    outs = generate(eng, prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=1))
+    outs = generate(eng, prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=2))
     eng.check_idle_integrity()
     tokens = [[t for o in out for t in o.token_ids] for out in outs]
     tops = [[o.top_logprobs[0] for o in out] for out in outs]

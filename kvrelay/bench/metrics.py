@@ -1,0 +1,219 @@
+"""Benchmark statistics as pure functions: percentiles, per-request latencies, throughput, goodput,
+and deltas of a server's Prometheus counters."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+SLO_KEYS = ("ttft", "tpot", "e2el")
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it. Times are seconds; `start` is relative to the level start."""
+
+    session: str = ""
+    turn: int = 0
+    start: float = 0.0
+    success: bool = False
+    error: str | None = None
+    ttft: float | None = None  # send -> first chunk carrying a choice
+    itl: list[float] = field(default_factory=list)  # gaps between successive choice chunks
+    e2e: float | None = None  # send -> end of stream
+    prompt_tokens: int = 0  # from the server's usage (the real length, not the target)
+    output_tokens: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        """(e2e - ttft) / (output_tokens - 1): undefined for fewer than two tokens."""
+        if not self.success or self.ttft is None or self.e2e is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile with linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        raise ValueError("percentile of an empty sequence")
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile {q} is outside [0, 100]")
+    xs = sorted(values)
+    h = (len(xs) - 1) * q / 100
+    lo = math.floor(h)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (h - lo) * (xs[hi] - xs[lo])
+
+
+def summarize(
+    values: Sequence[float], percentiles: Iterable[float] = (50, 90, 99), scale: float = 1.0
+) -> dict:
+    """count, mean, std (population), min, max and pNN of `values` times `scale`; None when empty."""
+    pcts = list(percentiles)
+    xs = [v * scale for v in values]
+    out: dict = {"count": len(xs)}
+    keys = ["mean", "std", "min", "max"] + [percentile_key(p) for p in pcts]
+    if not xs:
+        return out | dict.fromkeys(keys)
+    mean = sum(xs) / len(xs)
+    out |= {
+        "mean": mean,
+        "std": math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs)),
+        "min": min(xs),
+        "max": max(xs),
+    }
+    for p in pcts:
+        out[percentile_key(p)] = percentile(xs, p)
+    return out
+
+
+def percentile_key(p: float) -> str:
+    return f"p{p:g}".replace(".", "_")
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    """'ttft=200,tpot=50' (or vLLM's 'ttft:200 tpot:50'), milliseconds -> {'ttft': 200.0, ...}."""
+    slo: dict[str, float] = {}
+    for part in re.split(r"[,\s]+", text.strip()):
+        if not part:
+            continue
+        m = re.fullmatch(r"([A-Za-z]+)[=:](.+)", part)
+        if not m:
+            raise ValueError(f"SLO {part!r} is not KEY=MILLISECONDS")
+        key, value = m.groups()
+        key = key.strip().lower()
+        if key not in SLO_KEYS:
+            raise ValueError(f"unknown SLO {key!r}; use {', '.join(SLO_KEYS)}")
+        try:
+            ms = float(value)
+        except ValueError:
+            raise ValueError(f"SLO {key}: {value!r} is not a number of milliseconds") from None
+        if not ms > 0:
+            raise ValueError(f"SLO {key} must be a positive number of milliseconds")
+        slo[key] = ms
+    return slo
+
+
+def meets_slo(r: RequestRecord, slo: dict[str, float]) -> bool:
+    """A successful request within every bound (ms). A request with no TPOT (one token) passes TPOT,
+    as in vLLM's goodput."""
+    if not r.success:
+        return False
+    measured = {"ttft": r.ttft, "tpot": r.tpot or 0.0, "e2el": r.e2e}
+    return all(measured[k] is not None and measured[k] * 1e3 <= bound for k, bound in slo.items())
+
+
+def level_summary(
+    records: Sequence[RequestRecord],
+    duration_s: float,
+    slo: dict[str, float] | None = None,
+    percentiles: Iterable[float] = (50, 90, 99),
+) -> dict:
+    """Everything reported for one load level. Latencies in ms; throughputs per second of the
+    level's wall time (first send to last completion)."""
+    pcts = list(percentiles)
+    ok = [r for r in records if r.success]
+    dur = max(duration_s, 1e-9)
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    good = [r for r in ok if meets_slo(r, slo)] if slo else ok
+    errors: dict[str, int] = {}
+    for r in records:
+        if not r.success:
+            errors[r.error or "unknown error"] = errors.get(r.error or "unknown error", 0) + 1
+    return {
+        "num_requests": len(records),
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "duration_s": duration_s,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / dur,
+        "output_throughput": out_tokens / dur,
+        "total_token_throughput": (in_tokens + out_tokens) / dur,
+        # sglang's "Concurrency": time-average of requests in flight, as the client saw it.
+        "mean_concurrency": sum(r.e2e for r in ok if r.e2e is not None) / dur,
+        "good_requests": len(good),
+        "goodput": len(good) / dur,
+        "input_tokens": summarize([r.prompt_tokens for r in ok], ()),
+        "output_tokens": summarize([r.output_tokens for r in ok], ()),
+        "ttft_ms": summarize([r.ttft for r in ok if r.ttft is not None], pcts, 1e3),
+        "tpot_ms": summarize([t for r in ok if (t := r.tpot) is not None], pcts, 1e3),
+        "itl_ms": summarize([g for r in ok for g in r.itl], pcts, 1e3),
+        "e2el_ms": summarize([r.e2e for r in ok if r.e2e is not None], pcts, 1e3),
+        "finish_reasons": _count(r.finish_reason or "none" for r in ok),
+        "errors": errors,
+    }
+
+
+def _count(items: Iterable[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return out
+
+
+# --- the server's own counters ------------------------------------------------------------------
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+def parse_prometheus(text: str) -> Samples:
+    """Prometheus text exposition -> {metric name: [(labels, value), ...]}; a declared counter or
+    gauge without samples maps to []."""
+    out: Samples = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            # A labelled counter exports no sample until a label set is used: declared means zero.
+            parts = line.split()
+            if len(parts) == 4 and parts[3] in ("counter", "gauge"):
+                out.setdefault(parts[2], [])
+            continue
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        labels = dict(_LABEL.findall(m.group(3) or ""))
+        try:
+            value = float(m.group(4))
+        except ValueError:
+            continue
+        out.setdefault(m.group(1), []).append((labels, value))
+    return out
+
+
+def metric_total(s: Samples, name: str) -> float | None:
+    """Sum over all label sets; None when the server does not export the metric."""
+    return sum(v for _, v in s[name]) if name in s else None
+
+
+def server_delta(before: Samples, after: Samples) -> dict:
+    """What a kvrelay server counted between two scrapes (None for metrics it does not export)."""
+
+    def d(name: str) -> float | None:
+        a, b = metric_total(after, name), metric_total(before, name)
+        return None if a is None or b is None else a - b
+
+    by_reason: dict[str, float] = {}
+    for labels, v in after.get("kvrelay_requests_total", []):
+        key = labels.get("finish_reason", "")
+        prev = sum(x for lb, x in before.get("kvrelay_requests_total", []) if lb == labels)
+        if v - prev:
+            by_reason[key] = by_reason.get(key, 0.0) + v - prev
+    steps, step_s = d("kvrelay_engine_step_seconds_count"), d("kvrelay_engine_step_seconds_sum")
+    return {
+        "requests": d("kvrelay_requests_total"),
+        "requests_by_finish_reason": by_reason,
+        "generation_tokens": d("kvrelay_generation_tokens_total"),
+        "prompt_tokens": d("kvrelay_prompt_tokens_total"),
+        "request_errors": d("kvrelay_request_errors_total"),
+        "engine_steps": steps,
+        "engine_step_mean_ms": step_s / steps * 1e3 if steps and step_s is not None else None,
+    }
