@@ -23,7 +23,6 @@ from kvrelay.engine.engine import Engine, generate
 from kvrelay.engine.messages import AddRequest, SamplingParams
 from kvrelay.engine.scheduler import ScheduledRequest
 
-
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for a dry run of the script
 
 
@@ -138,8 +137,6 @@ def hf_peer(engine: Engine, batch: int, context: int, new_tokens: int) -> dict:
 
     run(2)
     per_token = (run(new_tokens) - run(1)) / (new_tokens - 1)
-    del hf
-    torch.cuda.empty_cache() if DEV == 'cuda' else None
     return dict(batch=batch, context=context, step_ms=per_token * 1e3, tokens_per_s=batch / per_token)
 
 

@@ -92,7 +92,7 @@ class ServerProcess:
 @pytest.fixture(scope="session")
 def server():
     """The embedded SmolLM2 behind a real HTTP server, shared by the API tests."""
-    s = ServerProcess("--model", "smollm2", "--max-total-tokens", "65536", "--max-num-batched-tokens", "512")
+    s = ServerProcess("--model", "smollm2", "--max-total-tokens", "65536", "--max-num-batched-tokens", "128")
     yield s
     s.close()
 

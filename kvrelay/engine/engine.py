@@ -6,11 +6,12 @@ import logging
 import random
 import time
 
+import msgspec
 import torch
 
 from kvrelay.config import EngineConfig
 from kvrelay.engine.messages import AddRequest, EngineStats, RequestOutput, StepOutputs
-from kvrelay.engine.request import Request, Status
+from kvrelay.engine.request import Request
 from kvrelay.engine.runner import ModelRunner
 from kvrelay.engine.sampler import sample
 from kvrelay.engine.scheduler import Scheduler
@@ -29,6 +30,15 @@ class Engine:
         self._rng = random.Random(cfg.seed)
         self._pending: list[RequestOutput] = []
         self.last_step_ms = 0.0
+        self.agent = None  # PD transfer agent (prefill: sender, decode: receiver)
+        if cfg.role == "prefill":
+            from kvrelay.disagg.sender import PrefillSender
+
+            self.agent = PrefillSender(self)
+        elif cfg.role == "decode":
+            from kvrelay.disagg.receiver import DecodeReceiver
+
+            self.agent = DecodeReceiver(self)
 
     @property
     def max_model_len(self) -> int:
@@ -48,19 +58,40 @@ class Engine:
             error = "max_tokens must be at least 1"
         elif max(msg.prompt_ids) >= self.src.config.vocab_size or min(msg.prompt_ids) < 0:
             error = "prompt contains token ids outside the vocabulary"
+        elif msg.pd is not None and msg.pd.role != self.cfg.role:
+            error = f"this server's role is {self.cfg.role}; it cannot take a {msg.pd.role} request"
         if error:
             self._pending.append(RequestOutput(msg.rid, [], finish_reason="rejected", error=error))
             return
         req = Request(msg.rid, msg.prompt_ids, p, 0)
         req.generator = torch.Generator(device=self.runner.device)
         req.generator.manual_seed(p.seed if p.seed is not None else self._rng.getrandbits(63))
+        if msg.pd is not None:
+            if msg.pd.role == "prefill":  # only the prompt's KV and the first token are computed here
+                req.params = msgspec.structs.replace(p, max_tokens=1)
+            self.agent.add(req, msg.pd)
+            return
         self.scheduler.add(req)
 
     def abort(self, rid: str) -> None:
         req = self.scheduler.find(rid)
+        held = self.agent is not None and self.agent.abort(rid)
         if req is not None:
             self.scheduler.finish(req, "abort")
+        if req is not None or held:
             self._pending.append(RequestOutput(rid, [], finish_reason="abort"))
+
+    def emit(self, out: RequestOutput) -> None:
+        """Queue an output for the next step's batch of outputs (used by the transfer agent)."""
+        self._pending.append(out)
+
+    def poll_transfers(self) -> None:
+        if self.agent is not None:
+            self.agent.poll()
+
+    @property
+    def transfers_in_flight(self) -> bool:
+        return self.agent is not None and self.agent.in_flight
 
     @property
     def has_work(self) -> bool:
@@ -81,6 +112,8 @@ class Engine:
 
     def _fail(self, req: Request, reason: str, error: str | None = None) -> None:
         self.scheduler.finish(req, reason)
+        if self.agent is not None:
+            self.agent.abort(req.rid)  # tells the PD peer; the error below is this request's answer
         self._pending.append(RequestOutput(req.rid, [], finish_reason=reason, error=error))
 
     def step(self) -> StepOutputs:
@@ -113,16 +146,17 @@ class Engine:
             tok = result.token_ids[i]
             if fault and self._rng.random() < self.cfg.fault_swap_token_p:
                 tok = (tok + 1) % self.src.config.vocab_size
-            req.output_ids.append(tok)
-            reason = self._stop_reason(req, tok)
             out = RequestOutput(
                 req.rid,
                 [tok],
                 logprobs=None if result.logprobs[i] is None else [result.logprobs[i]],
                 top_logprobs=None if result.top_logprobs[i] is None else [result.top_logprobs[i]],
-                finish_reason=reason,
                 num_prompt_tokens=len(req.prompt_ids),
             )
+            if self.agent is not None and self.agent.role == "prefill" and self.agent.on_sampled(req, out):
+                continue  # shipped to decode with the prompt's KV; decode continues from here
+            req.output_ids.append(tok)
+            reason = out.finish_reason = self._stop_reason(req, tok)
             if reason is not None:
                 self.scheduler.finish(req, reason)
             outputs.append(out)
@@ -143,6 +177,8 @@ class Engine:
     def check_idle_integrity(self) -> None:
         """With nothing running, every KV page must be back in the free list."""
         held = [r.pages for r in self.scheduler.running] + [r.pages for r in self.scheduler.waiting]
+        if self.agent is not None and self.agent.role == "decode":
+            held += [t.req.pages for t in self.agent.transfers.values()]
         self.runner.allocator.check_integrity(held)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from kvrelay.disagg.protocol import PDParams
+
 
 class SamplingParams(msgspec.Struct, frozen=True):
     max_tokens: int = 16
@@ -23,6 +25,7 @@ class AddRequest(msgspec.Struct, tag=True):
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
+    pd: PDParams | None = None  # set by the router in PD mode
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -47,6 +50,7 @@ class RequestOutput(msgspec.Struct, array_like=True):
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
     num_prompt_tokens: int = 0
+    cause: str | None = None  # PD failures: the cause (kvrelay.disagg.protocol.Cause)
 
 
 class EngineStats(msgspec.Struct):
@@ -71,6 +75,9 @@ class EngineReady(msgspec.Struct, tag=True):
     page_size: int
     device: str
     dtype: str
+    role: str = "single"
+    instance_id: str = ""
+    transfer_addr: str = ""  # decode role: where prefill engines send KV
 
 
 class EngineFailed(msgspec.Struct, tag=True):

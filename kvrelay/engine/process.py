@@ -55,13 +55,17 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str) -> None:
     r = engine.runner
     outbox.send(
         enc.encode(
-            EngineReady(engine.max_model_len, (r.allocator.num_usable) * r.page_size, r.page_size, str(r.device), str(r.dtype))
+            EngineReady(engine.max_model_len, (r.allocator.num_usable) * r.page_size, r.page_size, str(r.device), str(r.dtype),
+                        role=cfg.role, instance_id=engine.agent.instance_id if engine.agent else "",
+                        transfer_addr=engine.agent.addr if engine.agent else "")
         )
     )
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
+    idle_ms = 1000 if engine.agent is None else 5  # PD: transfer events arrive on other threads
     while True:
-        timeout = 0 if engine.has_work else 1000
+        engine.poll_transfers()
+        timeout = 0 if engine.has_work else idle_ms
         while poller.poll(timeout):
             timeout = 0
             try:
@@ -75,6 +79,8 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str) -> None:
                 engine.abort(msg.rid)
             elif isinstance(msg, Shutdown):
                 log.info("engine shutting down")
+                if engine.agent is not None:
+                    engine.agent.close()
                 return
         if engine.has_work:
             out = engine.step()

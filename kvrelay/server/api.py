@@ -8,12 +8,14 @@ import logging
 import uuid
 from contextlib import asynccontextmanager
 
+import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 from pydantic import ValidationError
 
 from kvrelay.config import ServerConfig, env
+from kvrelay.disagg.protocol import PDParams
 from kvrelay.engine.messages import SamplingParams
 from kvrelay.server import openai_format as fmt
 from kvrelay.server.engine_client import EngineClient, EngineDead
@@ -82,6 +84,15 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         except APIError as e:
             raise unavailable(f"generation failed: {e.message}") from None
         return PlainTextResponse("ok")
+
+    @app.get("/pd/info")
+    async def pd_info():
+        """What a PD router needs: this server's role, engine instance id and KV transfer address."""
+        r = state.client.ready
+        if r is None:
+            raise unavailable("engine not ready")
+        return {"role": r.role, "instance_id": r.instance_id, "transfer_addr": r.transfer_addr,
+                "model": state.model_name}
 
     @app.get("/metrics")
     async def metrics():
@@ -185,8 +196,13 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             logprobs=req.num_logprobs,
         )
         rid = f"{'chatcmpl' if isinstance(req, ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"
+        pd, pd_rid = _pd_params(req)
+        if pd is not None:
+            rid = pd_rid or rid
+            if rid in state.client.queues:
+                raise APIError(409, f"request id {rid} is already in flight", param="kvrelay_pd")
         return Generation(state.client, state.tokenizer, rid, prompt_ids, params, req.stop_strings,
-                          state.metrics, cfg.request_timeout_s)
+                          state.metrics, cfg.request_timeout_s, pd=pd)
 
     async def _collect(request: Request, gen: Generation) -> list[Delta]:
         """Run to completion, aborting the request if the client goes away first."""
@@ -215,7 +231,8 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
                     first = False
             except (APIError, EngineDead) as e:
                 msg = e.message if isinstance(e, APIError) else str(e)
-                yield f"data: {json.dumps({'error': {'message': msg, 'type': 'server_error'}})}\n\n"
+                err = {"message": msg, "type": "server_error", "code": getattr(e, "code", None)}
+                yield f"data: {json.dumps({'error': err})}\n\n"
                 return
             if include_usage:
                 body = {"id": rid, "object": obj, "created": created, "model": state.model_name,
@@ -255,3 +272,19 @@ def _message_dict(m) -> dict:
         d["name"] = m.name
     return d
 
+
+def _pd_params(req) -> tuple[PDParams | None, str | None]:
+    """The router's `kvrelay_pd` body field: {role, transfer_id, request_id, decode_addr, decode_instance}."""
+    raw = (req.model_extra or {}).get("kvrelay_pd")
+    if raw is None:
+        return None, None
+    try:
+        pd = msgspec.convert(raw, PDParams)
+    except msgspec.ValidationError as e:
+        raise bad_request(f"kvrelay_pd: {e}", "kvrelay_pd") from None
+    if pd.role not in ("prefill", "decode") or not pd.transfer_id:
+        raise bad_request("kvrelay_pd needs role prefill|decode and a transfer_id", "kvrelay_pd")
+    if pd.role == "prefill" and not pd.decode_addr:
+        raise bad_request("kvrelay_pd: a prefill request needs decode_addr", "kvrelay_pd")
+    rid = raw.get("request_id") if isinstance(raw, dict) else None
+    return pd, rid if isinstance(rid, str) and rid else None

@@ -17,6 +17,7 @@ import zmq
 import zmq.asyncio
 
 from kvrelay.config import EngineConfig
+from kvrelay.disagg.protocol import PDParams
 from kvrelay.engine.messages import (
     AbortRequest,
     AddRequest,
@@ -106,12 +107,12 @@ class EngineClient:
         for rid, q in list(self.queues.items()):
             q.put_nowait(RequestOutput(rid, [], finish_reason="error", error=self.dead_reason))
 
-    async def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
+    async def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams, pd: PDParams | None = None) -> asyncio.Queue:
         if not self.healthy:
             raise EngineDead(self.dead_reason or "engine is not running")
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.queues[rid] = q
-        await self._to.send(self._enc.encode(AddRequest(rid, prompt_ids, params)))
+        await self._to.send(self._enc.encode(AddRequest(rid, prompt_ids, params, pd)))
         return q
 
     async def abort(self, rid: str) -> None:

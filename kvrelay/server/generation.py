@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from kvrelay.disagg.protocol import PDParams, pd_status
 from kvrelay.engine.messages import RequestOutput, SamplingParams, TokenLogprob
 from kvrelay.server.engine_client import EngineClient
 from kvrelay.server.errors import APIError
@@ -37,9 +38,10 @@ class Generation:
     completion_tokens: int = 0
     finished: bool = False
     created: float = field(default_factory=time.time)
+    pd: PDParams | None = None  # PD mode: this side's part of a disaggregated request
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        q = await self.client.submit(self.rid, self.prompt_ids, self.params)
+        q = await self.client.submit(self.rid, self.prompt_ids, self.params, self.pd)
         detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
         hold = max((len(s) for s in self.stops), default=1) - 1  # chars that may start a stop string
         pending = ""  # decoded text not yet released (it may begin a stop string)
@@ -54,6 +56,9 @@ class Generation:
                 if out.error:
                     if out.finish_reason == "rejected":
                         raise APIError(400, out.error)
+                    if out.cause:
+                        self.metrics.pd_failures.labels(cause=out.cause).inc()
+                        raise APIError(pd_status(out.cause), out.error, "server_error", code=out.cause)
                     status = 503 if self.client.dead_reason else 500
                     raise APIError(status, out.error, "server_error")
                 if out.finish_reason == "abort":

@@ -22,6 +22,9 @@ class Metrics:
         self.requests = Counter(
             "kvrelay_requests", "finished requests by finish reason", ["finish_reason"], registry=r
         )
+        self.pd_failures = Counter(
+            "kvrelay_pd_transfer_failures", "PD transfer failures by cause", ["cause"], registry=r
+        )
         self.errors = Counter("kvrelay_request_errors", "requests answered with an error", ["status"], registry=r)
         self.ttft = Histogram("kvrelay_time_to_first_token_seconds", "TTFT", buckets=_LATENCY, registry=r)
         self.tpot = Histogram(
