@@ -17,9 +17,19 @@ from kvrelay.bench.workloads import CHAT, COMPLETIONS, DATASETS, WorkloadConfig
 DEFAULT_CONCURRENCY = "1,8,32,64"
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None/False ones (those flags say in words what happens without them)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b = subparsers.add_parser(
         "bench",
+        formatter_class=_HelpFormatter,
         help="load-test a running server over HTTP: latency, throughput, goodput",
         description="Streams requests to an OpenAI-compatible server at closed-loop concurrency levels "
         "or open-loop request rates; reports TTFT, TPOT, ITL and end-to-end latency, "
@@ -27,8 +37,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     )
     g = b.add_argument_group("server")
     g.add_argument("--base-url", default=None, help="server URL (default: http://HOST:PORT)")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default="127.0.0.1", help="server host, when --base-url is not given")
+    g.add_argument(
+        "--port", type=int, default=8000, help="server port, when --base-url is not given"
+    )
     g.add_argument(
         "--model", default=None, help="model name to request (default: the first the server lists)"
     )
@@ -104,7 +116,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         default=True,
         help="generate exactly --output-len tokens",
     )
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)"
+    )
 
     g = b.add_argument_group("load")
     g.add_argument(
@@ -140,7 +154,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument(
         "--num-warmups", type=int, default=1, help="short requests sent before the first level"
     )
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival times")
 
     g = b.add_argument_group("metrics and output")
     g.add_argument(
@@ -310,7 +324,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
         )
         path = Path(a.result_dir) / name
         stem = path.with_suffix("") if path.suffix == ".json" else path
-        written = [] if a.no_plots else report.write_plots(result, stem)
+        written = []
+        if not a.no_plots:
+            try:
+                written = report.write_plots(result, stem)
+            except ImportError as e:  # the JSON still gets written
+                sys.stderr.write(f"kvrelay bench: no plots ({e}); pip install matplotlib\n")
         result["plots"] = [str(p) for p in written]
         written.insert(0, report.write_json(result, stem.with_name(stem.name + ".json")))
         sys.stdout.write("wrote " + ", ".join(str(p) for p in written) + "\n")

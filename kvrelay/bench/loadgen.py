@@ -71,6 +71,12 @@ class BenchConfig:
             raise BenchError("burstiness must be positive")
         if self.num_prompts is not None and self.num_prompts < 1:
             raise BenchError("num_prompts must be at least 1")
+        if self.num_warmups < 0:
+            raise BenchError("num_warmups must not be negative")
+        if not self.percentiles or any(not 0 <= p <= 100 for p in self.percentiles):
+            raise BenchError("percentiles must be between 0 and 100")
+        if not self.request_timeout_s > 0:
+            raise BenchError("request_timeout_s must be positive")
 
     @property
     def mode(self) -> str:
@@ -305,7 +311,12 @@ async def calibrate(
             raise BenchError(
                 f"calibration probe rejected: HTTP {r.status_code}: {_error_message(r.content)}"
             )
-        usage = r.json().get("usage") or {}
+        try:
+            usage = r.json().get("usage") or {}
+        except (ValueError, AttributeError):
+            raise BenchError(
+                f"calibration probe: the response is not a JSON object: {r.text[:200]!r}"
+            ) from None
         if "prompt_tokens" not in usage:
             raise BenchError(
                 "the server's response has no usage.prompt_tokens; cannot size prompts"

@@ -80,7 +80,7 @@ def parse_slo(text: str) -> dict[str, float]:
     for part in re.split(r"[,\s]+", text.strip()):
         if not part:
             continue
-        m = re.fullmatch(r"([A-Za-z]+)[=:](.+)", part)
+        m = re.fullmatch(r"([A-Za-z][A-Za-z0-9_]*)[=:](.+)", part)
         if not m:
             raise ValueError(f"SLO {part!r} is not KEY=MILLISECONDS")
         key, value = m.groups()
@@ -120,10 +120,6 @@ def level_summary(
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
     good = [r for r in ok if meets_slo(r, slo)] if slo else ok
-    errors: dict[str, int] = {}
-    for r in records:
-        if not r.success:
-            errors[r.error or "unknown error"] = errors.get(r.error or "unknown error", 0) + 1
     return {
         "num_requests": len(records),
         "completed": len(ok),
@@ -145,8 +141,18 @@ def level_summary(
         "itl_ms": summarize([g for r in ok for g in r.itl], pcts, 1e3),
         "e2el_ms": summarize([r.e2e for r in ok if r.e2e is not None], pcts, 1e3),
         "finish_reasons": _count(r.finish_reason or "none" for r in ok),
-        "errors": errors,
+        "errors": group_errors([r.error or "unknown error" for r in records if not r.success]),
     }
+
+
+def group_errors(errors: Iterable[str]) -> list[dict]:
+    """Errors that differ only in numbers (lengths, ids) as one entry: an example and a count,
+    most frequent first."""
+    groups: dict[str, dict] = {}
+    for e in errors:
+        g = groups.setdefault(re.sub(r"\d+", "#", e), {"error": e, "count": 0})
+        g["count"] += 1
+    return sorted(groups.values(), key=lambda g: -g["count"])
 
 
 def _count(items: Iterable[str]) -> dict[str, int]:

@@ -21,7 +21,8 @@ LATENCIES = (
 def level_label(level: dict) -> str:
     if level["mode"] == "closed":
         return f"c={level['concurrency']}"
-    return f"{level['request_rate']}/s"
+    rate = level["request_rate"]
+    return f"{rate:g}/s" if isinstance(rate, int | float) else f"{rate}/s"
 
 
 def _ms(x: float | None) -> str:
@@ -57,8 +58,18 @@ def table_rows(result: dict) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def error_lines(result: dict) -> list[str]:
+    """One line per kind of failure and level: the level, the count, an example message."""
+    return [
+        f"{level_label(lv)}: {e['count']} failed: {e['error']}"
+        for lv in result["levels"]
+        for e in lv["errors"]
+    ]
+
+
 def print_table(result: dict, file: IO[str]) -> None:
-    """The summary table on a terminal: rich if installed, else aligned plain text."""
+    """The summary table on a terminal (rich if installed, else aligned plain text), then the
+    failures."""
     header, rows = table_rows(result)
     title = (
         f"kvrelay bench: {result['config']['workload']['dataset']} on {result['model']} "
@@ -67,20 +78,25 @@ def print_table(result: dict, file: IO[str]) -> None:
     try:
         from rich.console import Console
         from rich.table import Table
+        from rich.text import Text
     except ImportError:
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         file.write(title + "\n")
         for r in [header, *rows]:
             file.write("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) + "\n")
+        file.writelines(line + "\n" for line in error_lines(result))
         return
     t = Table(title=title)
     for i, h in enumerate(header):
         t.add_column(h, justify="left" if i == 0 else "right")
     for r in rows:
-        t.add_row(*r)
+        t.add_row(*(Text(c) for c in r))  # Text: no rich markup inside values
     tty = getattr(file, "isatty", lambda: False)()
     # Off a terminal (a pipe, a log) rich would wrap at 80 columns; the table wants more.
-    Console(file=file, width=None if tty else 180).print(t)
+    console = Console(file=file, width=None if tty else 180)
+    console.print(t)
+    for line in error_lines(result):
+        console.print(Text(line, style="red"))
 
 
 def _finite(x):
