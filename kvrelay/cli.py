@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig, env_help
+from kvrelay.config import (
+    CacheConfig,
+    DisaggConfig,
+    EngineConfig,
+    RouterConfig,
+    SchedulerConfig,
+    ServerConfig,
+    env_help,
+)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -33,6 +41,29 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fraction of max_tokens reserved in KV at admission (below 1: preemption may occur)")
     g.add_argument("--test-fault-swap-token", default=None, metavar="P,K",
                    help="TEST ONLY: swap a sampled token with probability P when the batch exceeds K")
+    x = DisaggConfig()
+    g = p.add_argument_group("prefill-decode disaggregation")
+    g.add_argument("--role", default=d.role, choices=["single", "prefill", "decode"],
+                   help="single: whole requests; prefill/decode: one side of a PD pair behind `kvrelay router`")
+    g.add_argument("--transfer-backend", default=x.transfer_backend, choices=["tcp"], help="KV transfer backend")
+    g.add_argument("--transfer-host", default=x.transfer_host, help="decode: address the KV listener binds")
+    g.add_argument("--transfer-port", type=int, default=x.transfer_port, help="decode: KV listener port (0: any)")
+    g.add_argument("--no-transfer-checksum", action="store_true",
+                   help="skip the crc32 over every transferred piece (on by default)")
+    g.add_argument("--transfer-layers-per-chunk", type=int, default=x.layers_per_chunk,
+                   help="layers per transferred KV piece")
+    g.add_argument("--transfer-connect-timeout", type=float, default=x.connect_timeout_s,
+                   help="seconds to connect and greet a decode peer")
+    g.add_argument("--transfer-bootstrap-timeout", type=float, default=x.bootstrap_timeout_s,
+                   help="seconds for the reservation handshake (and for decode's final ack)")
+    g.add_argument("--transfer-timeout", type=float, default=x.transfer_timeout_s,
+                   help="seconds a reserved request may wait for its prefill (queue + compute + transfer)")
+    g.add_argument("--transfer-heartbeat-interval", type=float, default=x.heartbeat_interval_s,
+                   help="seconds between heartbeats on every PD peer connection")
+    g.add_argument("--transfer-heartbeat-timeout", type=float, default=x.heartbeat_timeout_s,
+                   help="seconds of silence after which a PD peer is dropped and its transfers fail")
+    g.add_argument("--test-corrupt-transfer", action="store_true",
+                   help="TEST ONLY (prefill): flip one byte of each request's first KV piece after checksumming")
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -50,6 +81,16 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                                   max_running_requests=a.max_running_requests,
                                   kv_reserve_ratio=a.kv_reserve_ratio),
         fault_swap_token_p=p, fault_swap_token_min_batch=k,
+        role=a.role,
+        disagg=DisaggConfig(transfer_backend=a.transfer_backend, transfer_host=a.transfer_host,
+                            transfer_port=a.transfer_port, checksum=not a.no_transfer_checksum,
+                            layers_per_chunk=a.transfer_layers_per_chunk,
+                            connect_timeout_s=a.transfer_connect_timeout,
+                            bootstrap_timeout_s=a.transfer_bootstrap_timeout,
+                            transfer_timeout_s=a.transfer_timeout,
+                            heartbeat_interval_s=a.transfer_heartbeat_interval,
+                            heartbeat_timeout_s=a.transfer_heartbeat_timeout,
+                            test_corrupt_chunks=a.test_corrupt_transfer),
     )
 
 
@@ -74,6 +115,24 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_router(a: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvrelay.disagg.router import create_router_app
+    from kvrelay.engine.process import setup_logging
+
+    setup_logging()
+    cfg = RouterConfig(host=a.host, port=a.port, prefill=tuple(u for u in a.prefill.split(",") if u),
+                       decode=tuple(u for u in a.decode.split(",") if u), max_attempts=a.max_attempts,
+                       request_timeout_s=a.request_timeout, connect_timeout_s=a.connect_timeout)
+
+    def ready() -> None:
+        print(f"kvrelay router ready: http://{a.host}:{a.port} prefill={a.prefill} decode={a.decode}", flush=True)
+
+    uvicorn.run(create_router_app(cfg, on_ready=ready), host=a.host, port=a.port, log_level="warning")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvrelay", description="LLM serving engine",
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -87,6 +146,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None)
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
+    r = sub.add_parser("router", help="OpenAI-compatible front of prefill/decode servers (PD disaggregation)")
+    rc = RouterConfig()
+    r.add_argument("--host", default=rc.host, help="address the router listens on")
+    r.add_argument("--port", type=int, default=rc.port, help="port the router listens on")
+    r.add_argument("--prefill", required=True, help="prefill servers: URL[,URL...]")
+    r.add_argument("--decode", required=True, help="decode servers: URL[,URL...]")
+    r.add_argument("--max-attempts", type=int, default=rc.max_attempts,
+                   help="tries per request, each on a fresh pair, while nothing has been streamed")
+    r.add_argument("--request-timeout", type=float, default=rc.request_timeout_s,
+                   help="seconds a request may take end to end")
+    r.add_argument("--connect-timeout", type=float, default=rc.connect_timeout_s,
+                   help="seconds to reach a server")
+    r.set_defaults(func=cmd_router)
     return p
 
 

@@ -58,6 +58,23 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class DisaggConfig:
+    """Prefill-decode disaggregation (used when role is prefill or decode)."""
+
+    transfer_backend: str = "tcp"
+    transfer_host: str = "127.0.0.1"  # decode: where the transfer listener binds
+    transfer_port: int = 0  # decode: 0 picks a free port
+    checksum: bool = True  # crc32 over every transferred piece, verified before install
+    layers_per_chunk: int = 8  # layers per transferred KV piece
+    connect_timeout_s: float = 10.0
+    bootstrap_timeout_s: float = 30.0  # reservation handshake; also prefill waiting for decode's done
+    transfer_timeout_s: float = 300.0  # prefill queue + compute + transfer, as seen from each side
+    heartbeat_interval_s: float = 2.0  # each side pings every peer connection this often
+    heartbeat_timeout_s: float = 10.0  # a peer silent this long is dropped and its transfers fail
+    test_corrupt_chunks: bool = False  # TEST ONLY: prefill flips a byte in each request's first piece
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2"
     load_format: str = "auto"  # auto | gguf | safetensors | dummy
@@ -73,6 +90,8 @@ class EngineConfig:
     # Test-only: swap a sampled token with probability p when the batch is larger than k.
     fault_swap_token_p: float = 0.0
     fault_swap_token_min_batch: int = 0
+    role: str = "single"  # single | prefill | decode
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
 
 @dataclass(frozen=True)
@@ -84,6 +103,17 @@ class ServerConfig:
     max_n: int = 1
     request_timeout_s: float = 600.0
     engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    max_attempts: int = 2  # a retry picks a fresh pair, and only while nothing was streamed
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,8 @@ class Engine:
             error = f"this server's role is {self.cfg.role}; it cannot take a {msg.pd.role} request"
         if error:
             self._pending.append(RequestOutput(msg.rid, [], finish_reason="rejected", error=error))
+            if msg.pd is not None and self.agent is not None:
+                self.agent.reject(msg.pd.transfer_id, error)  # the peer learns now, not at a timeout
             return
         req = Request(msg.rid, msg.prompt_ids, p, 0)
         req.generator = torch.Generator(device=self.runner.device)

@@ -1,0 +1,153 @@
+"""What the prefill sender and the decode receiver share: the transport, identity, events, failures.
+
+Transport threads only decode frames (and verify checksums, which is pure CPU work) and queue events;
+every state change happens on the engine thread in `poll()`, so the scheduler and the KV pool are
+never touched from two threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import msgspec
+
+from kvrelay.disagg import protocol as P
+from kvrelay.disagg.transport import make_transport
+from kvrelay.disagg.transport.base import Connection
+from kvrelay.engine.messages import RequestOutput
+
+log = logging.getLogger("kvrelay.disagg")
+
+
+@dataclass
+class Event:
+    conn: Connection
+    msg: P.Message | None  # None: the connection closed
+    payload: memoryview | None = None
+    checksum_ok: bool = True
+    reason: str = ""
+
+
+def layout_fingerprint(engine) -> str:
+    m, r = engine.src.config, engine.runner
+    return f"kv:L{m.num_layers}:H{m.num_kv_heads}:D{m.head_dim}:{r.dtype}:ps{r.page_size}:v{m.vocab_size}"
+
+
+class TransferAgent:
+    role = ""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.cfg = engine.cfg.disagg
+        self.transport = make_transport(self.cfg.transfer_backend)
+        self.instance_id = uuid.uuid4().hex[:16]
+        self.layout = layout_fingerprint(engine)
+        self.events: queue.Queue[Event] = queue.Queue()
+        self.addr = ""
+        # Liveness runs on its own thread: a peer whose process is alive but whose engine is busy in a
+        # long forward still answers; a peer that went silent (host gone, network cut) is dropped.
+        self._live: dict[Connection, float] = {}  # connection -> when it last sent us anything
+        self._live_lock = threading.Lock()
+        self._stop = threading.Event()
+        self.heartbeats_paused = False  # test hook: stop sending, as a wedged host would
+        threading.Thread(target=self._heartbeat_loop, daemon=True, name="kvrelay-heartbeat").start()
+
+    def track(self, conn: Connection) -> None:
+        with self._live_lock:
+            self._live[conn] = time.monotonic()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.cfg.heartbeat_interval_s):
+            now = time.monotonic()
+            with self._live_lock:
+                conns = list(self._live.items())
+            for conn, seen in conns:
+                if conn.closed:
+                    with self._live_lock:
+                        self._live.pop(conn, None)
+                elif now - seen > self.cfg.heartbeat_timeout_s:
+                    log.warning("peer silent, dropping it peer=%s silent_s=%.1f", conn.peer, now - seen)
+                    conn.close()
+                elif not self.heartbeats_paused:
+                    try:
+                        conn.send(P.encode(P.Heartbeat(self.instance_id, time.time())))
+                    except ConnectionError:
+                        pass
+
+    # -- transport threads -------------------------------------------------------------------------
+
+    def _on_message(self, conn: Connection, header: bytes, payload: memoryview) -> None:
+        self.track(conn)
+        try:
+            msg = P.decode(header)
+        except msgspec.DecodeError as e:
+            raise ConnectionError(f"undecodable frame header: {e}") from e
+        ok = True
+        if isinstance(msg, P.ChunkHeader):
+            if payload.nbytes != msg.nbytes:
+                ok = False
+            elif msg.checksum is not None and self.cfg.checksum:
+                ok = P.checksum([payload]) == msg.checksum
+        if isinstance(msg, P.Hello):
+            self._on_hello(conn, msg)
+            return
+        self.events.put(Event(conn, msg, payload if payload.nbytes else None, ok))
+
+    def _on_close(self, conn: Connection, reason: str) -> None:
+        self.events.put(Event(conn, None, reason=reason))
+
+    def _on_hello(self, conn: Connection, msg: P.Hello) -> None:
+        raise NotImplementedError
+
+    # -- engine thread -----------------------------------------------------------------------------
+
+    def _send(self, conn: Connection | None, msg: P.Message, buffers=()) -> bool:
+        if conn is None or conn.closed:
+            return False
+        try:
+            conn.send(P.encode(msg), buffers)
+            return True
+        except ConnectionError:
+            return False
+
+    def _emit_failure(self, rid: str, tid: str, cause: str, message: str, state: str) -> None:
+        log.warning("transfer failed rid=%s transfer_id=%s role=%s state=%s cause=%s message=%s",
+                    rid, tid, self.role, state, cause, message)
+        self.engine.emit(RequestOutput(rid, [], finish_reason="error", error=f"{cause}: {message}", cause=cause))
+
+    def poll(self) -> None:
+        while True:
+            try:
+                ev = self.events.get_nowait()
+            except queue.Empty:
+                break
+            if ev.msg is None:
+                self._on_conn_lost(ev.conn, ev.reason)
+            else:
+                self._handle(ev)
+        self._check_deadlines()
+
+    def reject(self, transfer_id: str, reason: str) -> None:
+        """The engine refused this side's copy of a PD request (bad input): tell the peer if it asks."""
+
+    def _handle(self, ev: Event) -> None:
+        raise NotImplementedError
+
+    def _on_conn_lost(self, conn: Connection, reason: str) -> None:
+        raise NotImplementedError
+
+    def _check_deadlines(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def in_flight(self) -> bool:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._stop.set()
+        self.transport.close()

@@ -1,0 +1,268 @@
+"""`kvrelay router`: the OpenAI-compatible front of a PD deployment.
+
+Per request: pick a (prefill, decode) pair, mint the request id and the transfer id, POST the
+request to both with the `kvrelay_pd` field (decode reserves KV and waits; prefill reserves on
+decode, computes the prompt, ships KV + first token), and stream decode's answer back. Any failure
+becomes an OpenAI-format error naming its cause (an SSE error event once streaming has begun).
+A failed attempt is retried on a fresh pair only while nothing has been streamed to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+from kvrelay.config import RouterConfig
+
+log = logging.getLogger("kvrelay.router")
+
+RETRYABLE = {502, 503, 504}
+
+
+class RouteError(Exception):
+    def __init__(self, status: int, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.status, self.message, self.cause = status, message, cause
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": None, "code": self.cause}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+@dataclass
+class PeerInfo:
+    role: str
+    instance_id: str
+    transfer_addr: str
+
+
+def _error_of(resp_status: int, body: bytes, side: str) -> RouteError:
+    try:
+        err = json.loads(body)["error"]
+        msg, code = err.get("message", ""), err.get("code")
+    except (ValueError, KeyError, TypeError):
+        msg, code = body.decode(errors="replace")[:500], None
+    return RouteError(resp_status, f"{side}: {msg}", code or f"{side}_error")
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig) -> None:
+        if not cfg.prefill or not cfg.decode:
+            raise ValueError("the router needs at least one prefill and one decode server")
+        self.cfg = cfg
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s))
+        self.info: dict[str, PeerInfo] = {}
+        self._next = 0
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kvrelay_router_requests", "requests by outcome", ["outcome"], registry=r)
+        self.failures = Counter("kvrelay_router_failures", "failed attempts by cause", ["cause"], registry=r)
+        self.retries = Counter("kvrelay_router_retries", "attempts retried on a fresh pair", registry=r)
+
+    def pick(self) -> tuple[str, str]:
+        i = self._next
+        self._next += 1
+        return self.cfg.prefill[i % len(self.cfg.prefill)], self.cfg.decode[i % len(self.cfg.decode)]
+
+    async def peer_info(self, url: str, role: str, refresh: bool) -> PeerInfo:
+        if not refresh and url in self.info:
+            return self.info[url]
+        try:
+            r = await self.client.get(url + "/pd/info", timeout=self.cfg.connect_timeout_s)
+            r.raise_for_status()
+            d = r.json()
+        except (httpx.HTTPError, ValueError) as e:
+            raise RouteError(503, f"{role} server {url} is unreachable: {e}", f"{role}_unreachable") from None
+        if d.get("role") != role:
+            raise RouteError(503, f"{url} has role {d.get('role')!r}, not {role}", "role_mismatch")
+        info = self.info[url] = PeerInfo(d["role"], d["instance_id"], d.get("transfer_addr", ""))
+        return info
+
+    async def route(self, path: str, body: dict) -> Response:
+        stream = bool(body.get("stream"))
+        last: RouteError | None = None
+        for attempt in range(max(self.cfg.max_attempts, 1)):
+            if attempt:
+                self.retries.inc()
+            try:
+                resp = await self._attempt(path, body, stream, refresh=attempt > 0)
+                self.requests.labels(outcome="ok").inc()
+                return resp
+            except RouteError as e:
+                self.failures.labels(cause=e.cause).inc()
+                last = e
+                if e.status not in RETRYABLE:
+                    break
+        assert last is not None
+        self.requests.labels(outcome="error").inc()
+        return last.response()
+
+    async def _attempt(self, path: str, body: dict, stream: bool, refresh: bool) -> Response:
+        p_url, d_url = self.pick()
+        await self.peer_info(p_url, "prefill", refresh)
+        dinfo = await self.peer_info(d_url, "decode", refresh)
+        rid = f"{'chatcmpl' if 'chat' in path else 'cmpl'}-{uuid.uuid4().hex}"
+        tid = uuid.uuid4().hex
+        dbody = {**body, "kvrelay_pd": {"role": "decode", "transfer_id": tid, "request_id": rid}}
+        pbody = {**body, "stream": False,
+                 "kvrelay_pd": {"role": "prefill", "transfer_id": tid, "request_id": rid,
+                                "decode_addr": dinfo.transfer_addr, "decode_instance": dinfo.instance_id}}
+        pbody.pop("stream_options", None)
+        log.info("route rid=%s transfer_id=%s prefill=%s decode=%s stream=%s", rid, tid, p_url, d_url, stream)
+        dtask = asyncio.create_task(self.client.send(self.client.build_request("POST", d_url + path, json=dbody),
+                                                     stream=True))
+        ptask = asyncio.create_task(self._prefill(p_url + path, pbody))
+        dresp: httpx.Response | None = None
+        try:
+            dresp = await self._race(dtask, ptask, rid)
+            if dresp.status_code != 200:
+                raise _error_of(dresp.status_code, await dresp.aread(), "decode")
+            if not stream:
+                data = await dresp.aread()
+                await dresp.aclose()
+                asyncio.create_task(self._drain(ptask, rid))
+                return Response(data, media_type="application/json")
+            lines = dresp.aiter_lines()
+            first = await self._race(asyncio.create_task(self._next_event(lines)), ptask, rid)
+            if first is None:
+                raise RouteError(502, "decode closed the stream before any event", "stream_broken")
+            if first.startswith("data: {\"error\""):
+                err = json.loads(first[6:])["error"]
+                raise RouteError(502, f"decode: {err.get('message')}", err.get("code") or "decode_error")
+        except BaseException:
+            dtask.cancel()
+            if dresp is not None:
+                await dresp.aclose()
+            if not ptask.done():
+                ptask.cancel()
+            raise
+        asyncio.create_task(self._drain(ptask, rid))
+        return StreamingResponse(self._relay(first, lines, dresp, rid), media_type="text/event-stream")
+
+    async def _prefill(self, url: str, body: dict) -> None:
+        try:
+            r = await self.client.post(url, json=body)
+        except httpx.HTTPError as e:
+            raise RouteError(502, f"prefill server failed: {type(e).__name__}: {e}", "prefill_unreachable") from None
+        if r.status_code != 200:
+            raise _error_of(r.status_code, r.content, "prefill")
+
+    async def _race(self, task: asyncio.Task, ptask: asyncio.Task, rid: str):
+        """Wait for `task`; a prefill failure that comes first wins (decode would only time out)."""
+        while True:
+            pending = {task} if ptask.done() else {task, ptask}
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if ptask in done and ptask.exception() is not None and task not in done:
+                task.cancel()
+                e = ptask.exception()
+                log.warning("prefill failed rid=%s error=%s", rid, e)
+                raise e if isinstance(e, RouteError) else RouteError(502, f"prefill: {e}", "prefill_error")
+            if task in done:
+                try:
+                    return task.result()
+                except httpx.HTTPError as e:
+                    raise RouteError(502, f"decode server failed: {type(e).__name__}: {e}", "decode_unreachable") from None
+
+    @staticmethod
+    async def _next_event(lines) -> str | None:
+        async for line in lines:
+            if line.strip():
+                return line
+        return None
+
+    async def _drain(self, ptask: asyncio.Task, rid: str) -> None:
+        try:
+            await ptask
+        except RouteError as e:
+            log.warning("prefill failed after decode answered rid=%s cause=%s message=%s", rid, e.cause, e.message)
+        except asyncio.CancelledError:
+            pass
+
+    async def _relay(self, first: str, lines, dresp: httpx.Response, rid: str):
+        yield first + "\n\n"
+        try:
+            async for line in lines:
+                if line.strip():
+                    yield line + "\n\n"
+        except httpx.HTTPError as e:
+            self.failures.labels(cause="stream_broken").inc()
+            log.warning("decode stream broke rid=%s error=%s", rid, e)
+            err = {"message": f"decode stream broke: {type(e).__name__}: {e}", "type": "server_error",
+                   "code": "stream_broken"}
+            yield f"data: {json.dumps({'error': err})}\n\n"
+        finally:
+            await dresp.aclose()
+
+    async def health(self) -> tuple[bool, dict]:
+        status = {}
+        for url in self.cfg.prefill + self.cfg.decode:
+            try:
+                status[url] = (await self.client.get(url + "/health", timeout=self.cfg.connect_timeout_s)).status_code == 200
+            except httpx.HTTPError:
+                status[url] = False
+        return all(status.values()), status
+
+
+def create_router_app(cfg: RouterConfig, on_ready=None) -> FastAPI:
+    router = Router(cfg)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is ours, with ids
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if on_ready is not None:
+            on_ready()
+        yield
+        await router.client.aclose()
+
+    app = FastAPI(title="kvrelay router", lifespan=lifespan)
+    app.state.router = router
+
+    @app.get("/health")
+    async def health():
+        ok, status = await router.health()
+        return JSONResponse({"healthy": ok, "servers": status}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(generate_latest(router.registry).decode())
+
+    @app.get("/v1/models")
+    async def models():
+        try:
+            r = await router.client.get(cfg.decode[0] + "/v1/models")
+        except httpx.HTTPError as e:
+            return RouteError(503, f"decode server unreachable: {e}", "decode_unreachable").response()
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    async def _body(request: Request) -> dict | JSONResponse:
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as e:
+            return RouteError(400, f"malformed JSON: {e}", "bad_request").response()
+        if not isinstance(body, dict):
+            return RouteError(400, "the request body must be a JSON object", "bad_request").response()
+        body.pop("kvrelay_pd", None)  # only the router sets it
+        return body
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await _body(request)
+        return body if isinstance(body, Response) else await router.route("/v1/chat/completions", body)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _body(request)
+        return body if isinstance(body, Response) else await router.route("/v1/completions", body)
+
+    return app

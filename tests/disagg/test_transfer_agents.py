@@ -1,0 +1,245 @@
+"""Prefill and decode engines in one process (tiny dummy model), talking over real TCP.
+
+Fast checks of the transfer logic: PD == single engine token for token, and every failure path
+(corrupt bytes, identity mismatch, no room on decode, timeouts, aborts, a lost peer) ends with an
+error naming its cause on both sides and every KV page back in the free list.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvrelay.config import CacheConfig, DisaggConfig, EngineConfig, SchedulerConfig
+from kvrelay.disagg.protocol import Cause, PDParams
+from kvrelay.engine.engine import Engine, generate
+from kvrelay.engine.messages import AddRequest, SamplingParams
+
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+def _engine(role: str, max_total_tokens: int = 4096, **disagg) -> Engine:
+    return Engine(EngineConfig(
+        model="qwen3-tiny", load_format="dummy", role=role,
+        cache=CacheConfig(max_total_tokens=max_total_tokens, page_size=16),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32),  # prompts over 32 tokens are chunked
+        disagg=DisaggConfig(layers_per_chunk=1, **disagg),
+    ))
+
+
+def _prompts() -> list[list[int]]:
+    return [[(7 * i + 3 * j) % 1000 + 10 for j in range(n)] for i, n in enumerate([5, 16, 17, 33, 70, 100])]
+
+
+class Pair:
+    def __init__(self, prefill: Engine, decode: Engine) -> None:
+        self.p, self.d = prefill, decode
+        self.outs: dict[tuple[str, str], list] = {}
+
+    def submit(self, rid: str, ids: list[int], params=PARAMS, tid: str | None = None, d_ids=None,
+               send_prefill: bool = True, send_decode: bool = True) -> None:
+        tid = tid or f"t-{rid}"
+        if send_decode:
+            self.d.add(AddRequest(rid, d_ids or ids, params, PDParams("decode", tid)))
+        if send_prefill:
+            pd = PDParams("prefill", tid, self.d.agent.addr, self.d.agent.instance_id)
+            self.p.add(AddRequest(rid, ids, params, pd))
+
+    def pump(self, done, timeout: float = 20.0) -> None:
+        deadline = time.time() + timeout
+        while not done():
+            assert time.time() < deadline, f"no progress: {self.outs}"
+            for side, e in (("prefill", self.p), ("decode", self.d)):
+                e.poll_transfers()
+                if e.has_work:
+                    for o in e.step().outputs:
+                        self.outs.setdefault((side, o.rid), []).append(o)
+            time.sleep(0.001)
+
+    def finished(self, side: str, rid: str) -> bool:
+        return any(o.finish_reason for o in self.outs.get((side, rid), []))
+
+    def last(self, side: str, rid: str):
+        return self.outs[(side, rid)][-1]
+
+    def assert_clean(self) -> None:
+        self.pump(lambda: not self.p.transfers_in_flight and not self.d.transfers_in_flight
+                  and not self.p.has_work and not self.d.has_work)
+        for e in (self.p, self.d):
+            assert e.runner.allocator.num_used == 0
+            e.check_idle_integrity()
+
+
+@pytest.fixture(scope="module")
+def single() -> Engine:
+    return _engine("single")
+
+
+@pytest.fixture
+def make_pair():
+    """Builds prefill/decode pairs; closes their transfer agents (sockets, heartbeat threads) after."""
+    made: list[Pair] = []
+
+    def make(prefill: Engine, decode: Engine) -> Pair:
+        made.append(Pair(prefill, decode))
+        return made[-1]
+
+    yield make
+    for pr in made:
+        pr.p.agent.close()
+        pr.d.agent.close()
+
+
+@pytest.fixture
+def pair(make_pair):
+    return make_pair(_engine("prefill"), _engine("decode"))
+
+
+def test_pd_equals_single_engine(pair, single):
+    prompts = _prompts()
+    want = generate(single, prompts, PARAMS)
+    for i, ids in enumerate(prompts):
+        pair.submit(f"r{i}", ids)
+    rids = [f"r{i}" for i in range(len(prompts))]
+    pair.pump(lambda: all(pair.finished("decode", r) and pair.finished("prefill", r) for r in rids))
+    for rid, w in zip(rids, want, strict=True):
+        got = pair.outs[("decode", rid)]
+        assert [t for o in got for t in o.token_ids] == [t for o in w for t in o.token_ids], rid
+        lp_got = [x for o in got for x in o.logprobs]
+        lp_want = [x for o in w for x in o.logprobs]
+        assert lp_got == pytest.approx(lp_want, abs=1e-4), rid
+        top_got = [[a.token_id for a in x] for o in got for x in o.top_logprobs]
+        assert top_got == [[a.token_id for a in x] for o in w for x in o.top_logprobs]
+        assert got[-1].finish_reason == "length" and got[-1].error is None
+        assert pair.last("prefill", rid).finish_reason == "transferred"
+    pair.assert_clean()
+
+
+def test_seeded_sampling_continues_as_in_one_engine(pair, single):
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
+    ids = _prompts()[4]
+    want = [t for o in generate(single, [ids], params)[0] for t in o.token_ids]
+    pair.submit("s1", ids, params)
+    pair.pump(lambda: pair.finished("decode", "s1"))
+    assert [t for o in pair.outs[("decode", "s1")] for t in o.token_ids] == want
+    pair.assert_clean()
+
+
+def _assert_failed(pair: Pair, rid: str, side: str, cause: str) -> None:
+    o = pair.last(side, rid)
+    assert o.finish_reason == "error" and o.cause == cause, (side, o)
+    assert cause in o.error
+
+
+def test_corrupt_bytes_are_never_installed(make_pair):
+    pr = make_pair(_engine("prefill", test_corrupt_chunks=True), _engine("decode"))
+    pr.submit("c1", _prompts()[4])
+    pr.pump(lambda: pr.finished("decode", "c1") and pr.finished("prefill", "c1"))
+    _assert_failed(pr, "c1", "decode", Cause.CHECKSUM)
+    _assert_failed(pr, "c1", "prefill", Cause.CHECKSUM)  # decode's failure message names the cause
+    assert all(not o.token_ids for o in pr.outs[("decode", "c1")])
+    pr.assert_clean()
+
+
+def test_checksum_off_is_honoured_on_both_sides(make_pair):
+    pr = make_pair(_engine("prefill", checksum=False), _engine("decode", checksum=False))
+    pr.submit("n1", _prompts()[3])
+    pr.pump(lambda: pr.finished("decode", "n1") and pr.finished("prefill", "n1"))
+    assert pr.last("decode", "n1").finish_reason == "length"
+    pr.assert_clean()
+
+
+def test_prompt_mismatch_is_an_identity_error(pair):
+    ids = _prompts()[3]
+    pair.submit("m1", ids, d_ids=ids[:-1] + [ids[-1] + 1])
+    pair.pump(lambda: pair.finished("decode", "m1") and pair.finished("prefill", "m1"))
+    _assert_failed(pair, "m1", "decode", Cause.IDENTITY)
+    _assert_failed(pair, "m1", "prefill", Cause.REFUSED)
+    pair.assert_clean()
+
+
+def test_no_room_on_decode_refuses_before_prefill_computes(make_pair):
+    pr = make_pair(_engine("prefill"), _engine("decode", max_total_tokens=128))
+    ids = _prompts()[5]  # 100 prompt tokens + 12 new: 7 of decode's 8 pages
+    pr.submit("hold", ids, send_prefill=False)  # reserved on decode, its prefill not sent yet
+    pr.submit("big", ids, tid="t-big")
+    pr.pump(lambda: pr.finished("decode", "big") and pr.finished("prefill", "big"))
+    _assert_failed(pr, "big", "decode", Cause.NO_KV)
+    _assert_failed(pr, "big", "prefill", Cause.REFUSED)
+    assert "KV cache full" in pr.last("prefill", "big").error
+    assert pr.p.stats().num_preemptions == 0 and not pr.outs.get(("prefill", "hold"))
+    pr.d.abort("hold")
+    pr.assert_clean()
+
+
+def test_request_rejected_by_decode_is_refused_to_prefill_at_once(make_pair):
+    pr = make_pair(_engine("prefill"), _engine("decode", max_total_tokens=64))
+    pr.submit("long", _prompts()[5])  # 100 + 12 tokens: over decode's 64-token context
+    pr.pump(lambda: pr.finished("decode", "long") and pr.finished("prefill", "long"), timeout=5)
+    assert pr.last("decode", "long").finish_reason == "rejected"
+    _assert_failed(pr, "long", "prefill", Cause.REFUSED)
+    assert "context length" in pr.last("prefill", "long").error
+    pr.assert_clean()
+
+
+def test_prefill_that_never_comes_times_out_on_decode(make_pair):
+    pr = make_pair(_engine("prefill"), _engine("decode", bootstrap_timeout_s=0.3))
+    pr.submit("lonely", _prompts()[2], send_prefill=False)
+    pr.pump(lambda: pr.finished("decode", "lonely"), timeout=5)
+    _assert_failed(pr, "lonely", "decode", Cause.TIMEOUT)
+    pr.assert_clean()
+
+
+def test_decode_that_never_gets_the_request_refuses_prefill(make_pair):
+    pr = make_pair(_engine("prefill"), _engine("decode", bootstrap_timeout_s=0.3))
+    pr.submit("orphan", _prompts()[2], send_decode=False)
+    pr.pump(lambda: pr.finished("prefill", "orphan"), timeout=5)
+    _assert_failed(pr, "orphan", "prefill", Cause.REFUSED)
+    pr.assert_clean()
+
+
+def test_abort_on_decode_fails_prefill_side(pair):
+    pair.submit("a1", _prompts()[5], send_prefill=False)
+    pair.pump(lambda: pair.d.transfers_in_flight)
+    pair.submit("a1", _prompts()[5], send_decode=False)
+    pair.pump(lambda: pair.p.agent.transfers["a1"].sm.state.value != "bootstrapping")
+    pair.d.abort("a1")
+    pair.pump(lambda: pair.finished("prefill", "a1") and pair.finished("decode", "a1"))
+    assert pair.last("decode", "a1").finish_reason == "abort"
+    _assert_failed(pair, "a1", "prefill", Cause.PEER_FAILED)
+    pair.assert_clean()
+
+
+def test_lost_decode_fails_prefill_requests_at_once(make_pair):
+    pr = make_pair(_engine("prefill"), _engine("decode"))
+    pr.submit("l1", _prompts()[5], send_decode=False)  # waits as an orphan on decode
+    pr.pump(lambda: not pr.d.agent.events.empty() or pr.d.agent.orphans)
+    pr.d.agent.close()  # decode's transfer agent goes away
+    pr.pump(lambda: pr.finished("prefill", "l1"), timeout=5)
+    _assert_failed(pr, "l1", "prefill", Cause.PEER_LOST)
+    assert pr.p.runner.allocator.num_used == 0
+
+
+def test_silent_peer_is_dropped_by_heartbeat_timeout(make_pair):
+    hb = dict(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.6)
+    pr = make_pair(_engine("prefill", **hb), _engine("decode", **hb))
+    pr.d.agent.heartbeats_paused = True  # decode's host goes quiet; its socket stays open
+    pr.submit("h1", _prompts()[2], send_decode=False)  # prefill waits for a reservation ack forever
+    pr.pump(lambda: pr.finished("prefill", "h1"), timeout=10)
+    _assert_failed(pr, "h1", "prefill", Cause.PEER_LOST)
+    pr.pump(lambda: not pr.d.agent.orphans, timeout=5)  # decode saw the close: the orphan is gone
+
+
+def test_heartbeats_keep_an_idle_connection_alive(make_pair):
+    hb = dict(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.6)
+    pr = make_pair(_engine("prefill", **hb), _engine("decode", **hb))
+    pr.submit("k1", _prompts()[1])
+    pr.pump(lambda: pr.finished("decode", "k1") and pr.finished("prefill", "k1"))
+    conn = pr.p.agent.peers[pr.d.agent.addr].conn
+    time.sleep(1.5)  # idle for longer than the timeout: heartbeats must carry it
+    assert not conn.closed
+    pr.submit("k2", _prompts()[1])
+    pr.pump(lambda: pr.finished("decode", "k2") and pr.finished("prefill", "k2"))
+    assert pr.p.agent.peers[pr.d.agent.addr].conn is conn
+    pr.assert_clean()
