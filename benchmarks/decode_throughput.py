@@ -63,20 +63,34 @@ def fill_decode(engine: Engine, batch: int, context: int, steps: int, gen: torch
     vocab = engine.src.config.vocab_size
     for i in range(batch):
         ids = torch.randint(0, vocab, (context,), generator=gen).tolist()
-        engine.add(AddRequest(f"b{batch}-{i}", ids, SamplingParams(max_tokens=4 * steps + 32, temperature=0, ignore_eos=True)))
-    while any(r.num_computed < len(r.prompt_ids) for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.add(
+            AddRequest(
+                f"b{batch}-{i}",
+                ids,
+                SamplingParams(max_tokens=4 * steps + 32, temperature=0, ignore_eos=True),
+            )
+        )
+    while (
+        any(r.num_computed < len(r.prompt_ids) for r in engine.scheduler.running)
+        or engine.scheduler.waiting
+    ):
         for out in engine.step().outputs:
             if out.error:
                 raise RuntimeError(out.error)
 
 
-def measure(engine: Engine, batch: int, context: int, steps: int, weight_bytes: int, copy_bw: float) -> list[dict]:
+def measure(
+    engine: Engine, batch: int, context: int, steps: int, weight_bytes: int, copy_bw: float
+) -> list[dict]:
     runner = engine.runner
     rows = []
     graphs = runner.graphs
     for use_graphs in (True, False):
         runner.graphs = graphs if use_graphs else None
-        sched = [ScheduledRequest(r, 1) for r in sorted(engine.scheduler.running, key=lambda r: r.arrival)]
+        sched = [
+            ScheduledRequest(r, 1)
+            for r in sorted(engine.scheduler.running, key=lambda r: r.arrival)
+        ]
         # The forward alone: the same decode batch re-run (it rewrites the same KV slots).
         for s in sched:
             s.req.num_computed -= 1
@@ -96,9 +110,15 @@ def measure(engine: Engine, batch: int, context: int, steps: int, weight_bytes: 
         total = weight_bytes + kv_bytes
         rows.append(
             dict(
-                batch=batch, cuda_graphs=use_graphs, context=round(ctx), forward_ms=fwd_ms, step_ms=step_ms,
-                tokens_per_s=batch / (step_ms / 1e3), bytes_per_step=total,
-                forward_GBps=total / (fwd_ms / 1e3) / 1e9, step_GBps=total / (step_ms / 1e3) / 1e9,
+                batch=batch,
+                cuda_graphs=use_graphs,
+                context=round(ctx),
+                forward_ms=fwd_ms,
+                step_ms=step_ms,
+                tokens_per_s=batch / (step_ms / 1e3),
+                bytes_per_step=total,
+                forward_GBps=total / (fwd_ms / 1e3) / 1e9,
+                step_GBps=total / (step_ms / 1e3) / 1e9,
                 forward_frac_of_copy=total / (fwd_ms / 1e3) / copy_bw,
                 step_frac_of_copy=total / (step_ms / 1e3) / copy_bw,
             )
@@ -115,10 +135,18 @@ def hf_peer(engine: Engine, batch: int, context: int, new_tokens: int) -> dict:
 
     c = engine.src.config
     hf_cfg = LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling,
-        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta,
+        rope_scaling=c.rope_scaling,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings,
     )
     with torch.device(DEV):
         hf = LlamaForCausalLM(hf_cfg).to(engine.runner.dtype).eval()
@@ -137,7 +165,9 @@ def hf_peer(engine: Engine, batch: int, context: int, new_tokens: int) -> dict:
 
     run(2)
     per_token = (run(new_tokens) - run(1)) / (new_tokens - 1)
-    return dict(batch=batch, context=context, step_ms=per_token * 1e3, tokens_per_s=batch / per_token)
+    return dict(
+        batch=batch, context=context, step_ms=per_token * 1e3, tokens_per_s=batch / per_token
+    )
 
 
 def greedy_agreement(model: str, num_prompts: int, new_tokens: int) -> list[dict]:
@@ -147,8 +177,15 @@ def greedy_agreement(model: str, num_prompts: int, new_tokens: int) -> list[dict
     gen = torch.Generator().manual_seed(1)
     lens = [int(x) for x in torch.randint(5, 300, (num_prompts,), generator=gen)]
     for name, backend in (("fast", "triton" if DEV == "cuda" else "torch"), ("reference", "torch")):
-        eng = Engine(EngineConfig(model=model, load_format="dummy", attention_backend=backend,
-                                  cuda_graphs=name == "fast", cache=CacheConfig(max_total_tokens=8192)))
+        eng = Engine(
+            EngineConfig(
+                model=model,
+                load_format="dummy",
+                attention_backend=backend,
+                cuda_graphs=name == "fast",
+                cache=CacheConfig(max_total_tokens=8192),
+            )
+        )
         g = torch.Generator().manual_seed(2)
         prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in lens]
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, logprobs=2)
@@ -164,7 +201,15 @@ def greedy_agreement(model: str, num_prompts: int, new_tokens: int) -> list[dict
         if first is not None:
             top = ref[first].top_logprobs[0]
             gap = top[0].logprob - top[1].logprob
-        rows.append(dict(prompt=i, prompt_len=lens[i], agree=first is None, first_divergence=first, ref_top2_gap=gap))
+        rows.append(
+            dict(
+                prompt=i,
+                prompt_len=lens[i],
+                agree=first is None,
+                first_divergence=first,
+                ref_top2_gap=gap,
+            )
+        )
     return rows
 
 
@@ -179,16 +224,32 @@ def main() -> None:
     a = p.parse_args()
     batches = [int(x) for x in a.batch_sizes.split(",")]
     copy_bw = copy_bandwidth()
-    engine = Engine(EngineConfig(
-        model=a.model, load_format="dummy", max_cuda_graph_batch=max(batches),
-        cache=CacheConfig(max_total_tokens=max(batches) * (a.context + 4 * a.steps + 64) + 4096),
-        scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_running_requests=max(batches)),
-    ))
+    engine = Engine(
+        EngineConfig(
+            model=a.model,
+            load_format="dummy",
+            max_cuda_graph_batch=max(batches),
+            cache=CacheConfig(
+                max_total_tokens=max(batches) * (a.context + 4 * a.steps + 64) + 4096
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=8192, max_running_requests=max(batches)
+            ),
+        )
+    )
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     report = dict(
-        gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__, python=platform.python_version(),
-        date=time.strftime("%Y-%m-%d"), model=f"{a.model} (dummy weights)", params=sum(p.numel() for p in engine.runner.model.parameters()),
-        weight_bytes=weight_bytes, copy_GBps=copy_bw / 1e9, rows=[], hf_peer=[], greedy_agreement=[],
+        gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
+        torch=torch.__version__,
+        python=platform.python_version(),
+        date=time.strftime("%Y-%m-%d"),
+        model=f"{a.model} (dummy weights)",
+        params=sum(p.numel() for p in engine.runner.model.parameters()),
+        weight_bytes=weight_bytes,
+        copy_GBps=copy_bw / 1e9,
+        rows=[],
+        hf_peer=[],
+        greedy_agreement=[],
     )
     gen = torch.Generator().manual_seed(0)
     for b in batches:
@@ -200,19 +261,29 @@ def main() -> None:
             report["hf_peer"].append(hf_peer(engine, b, a.context, 32))
             _dump(report, a.out)
     del engine
-    torch.cuda.empty_cache() if DEV == 'cuda' else None
+    torch.cuda.empty_cache() if DEV == "cuda" else None
     report["greedy_agreement"] = greedy_agreement(a.model, 8, 32)
     _dump(report, a.out)
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB")
     print("batch graphs ctx  fwd_ms  step_ms   tok/s   fwd_GB/s  fwd/copy  step/copy")
     for r in report["rows"]:
-        print(f"{r['batch']:5d} {str(r['cuda_graphs']):6s} {r['context']:4d} {r['forward_ms']:7.3f} {r['step_ms']:8.3f} "
-              f"{r['tokens_per_s']:8.0f} {r['forward_GBps']:9.0f} {r['forward_frac_of_copy']:8.2f} {r['step_frac_of_copy']:9.2f}")
+        print(
+            f"{r['batch']:5d} {str(r['cuda_graphs']):6s} {r['context']:4d} {r['forward_ms']:7.3f} {r['step_ms']:8.3f} "
+            f"{r['tokens_per_s']:8.0f} {r['forward_GBps']:9.0f} {r['forward_frac_of_copy']:8.2f} {r['step_frac_of_copy']:9.2f}"
+        )
     for r in report["hf_peer"]:
-        print(f"HF generate batch {r['batch']}: {r['step_ms']:.2f} ms/step, {r['tokens_per_s']:.0f} tok/s")
+        print(
+            f"HF generate batch {r['batch']}: {r['step_ms']:.2f} ms/step, {r['tokens_per_s']:.0f} tok/s"
+        )
     agree = sum(r["agree"] for r in report["greedy_agreement"])
-    print(f"greedy triton vs torch-reference on GPU: {agree}/8 prompts agree on 32 tokens;",
-          [(r["prompt"], r["first_divergence"], round(r["ref_top2_gap"], 4)) for r in report["greedy_agreement"] if not r["agree"]])
+    print(
+        f"greedy triton vs torch-reference on GPU: {agree}/8 prompts agree on 32 tokens;",
+        [
+            (r["prompt"], r["first_divergence"], round(r["ref_top2_gap"], 4))
+            for r in report["greedy_agreement"]
+            if not r["agree"]
+        ],
+    )
 
 
 def _dump(report: dict, path: str) -> None:

@@ -1,10 +1,11 @@
-"""The one command line: `kvrelay serve` (more subcommands join as they land)."""
+"""The one command line: `kvrelay serve`, `kvrelay router`, `kvrelay bench`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from kvrelay.bench.cli import add_bench_parser
 from kvrelay.config import (
     CacheConfig,
     DisaggConfig,
@@ -19,51 +20,124 @@ from kvrelay.config import (
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     d, c, s = EngineConfig(), CacheConfig(), SchedulerConfig()
     g = p.add_argument_group("model and engine")
-    g.add_argument("--model", default=d.model,
-                   help="'smollm2' (embedded SmolLM2-135M-Instruct), a .gguf file, an HF directory, or a dummy preset")
-    g.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"],
-                   help="'dummy': random weights for a preset (llama-1b, smollm2-135m, qwen3-tiny)")
+    g.add_argument(
+        "--model",
+        default=d.model,
+        help="'smollm2' (embedded SmolLM2-135M-Instruct), a .gguf file, an HF directory, or a dummy preset",
+    )
+    g.add_argument(
+        "--load-format",
+        default=d.load_format,
+        choices=["auto", "dummy"],
+        help="'dummy': random weights for a preset (llama-1b, smollm2-135m, qwen3-tiny)",
+    )
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
-    g.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton"])
+    g.add_argument(
+        "--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton"]
+    )
     g.add_argument("--disable-cuda-graphs", action="store_true", help="run decode eagerly on GPU")
     g.add_argument("--max-cuda-graph-batch", type=int, default=d.max_cuda_graph_batch)
-    g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    g.add_argument(
+        "--max-model-len", type=int, default=None, help="context limit (default: the model's)"
+    )
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--page-size", type=int, default=c.page_size, help="tokens per KV page")
-    g.add_argument("--max-total-tokens", type=int, default=None,
-                   help="KV pool size in tokens (default: sized from free memory)")
+    g.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        help="KV pool size in tokens (default: sized from free memory)",
+    )
     g.add_argument("--memory-fraction", type=float, default=c.memory_fraction)
-    g.add_argument("--max-num-batched-tokens", type=int, default=s.max_num_batched_tokens,
-                   help="per-step token budget; longer prompts are prefilled in chunks")
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=s.max_num_batched_tokens,
+        help="per-step token budget; longer prompts are prefilled in chunks",
+    )
     g.add_argument("--max-running-requests", type=int, default=s.max_running_requests)
-    g.add_argument("--kv-reserve-ratio", type=float, default=s.kv_reserve_ratio,
-                   help="fraction of max_tokens reserved in KV at admission (below 1: preemption may occur)")
-    g.add_argument("--test-fault-swap-token", default=None, metavar="P,K",
-                   help="TEST ONLY: swap a sampled token with probability P when the batch exceeds K")
+    g.add_argument(
+        "--kv-reserve-ratio",
+        type=float,
+        default=s.kv_reserve_ratio,
+        help="fraction of max_tokens reserved in KV at admission (below 1: preemption may occur)",
+    )
+    g.add_argument(
+        "--test-fault-swap-token",
+        default=None,
+        metavar="P,K",
+        help="TEST ONLY: swap a sampled token with probability P when the batch exceeds K",
+    )
     x = DisaggConfig()
     g = p.add_argument_group("prefill-decode disaggregation")
-    g.add_argument("--role", default=d.role, choices=["single", "prefill", "decode"],
-                   help="single: whole requests; prefill/decode: one side of a PD pair behind `kvrelay router`")
-    g.add_argument("--transfer-backend", default=x.transfer_backend, choices=["tcp"], help="KV transfer backend")
-    g.add_argument("--transfer-host", default=x.transfer_host, help="decode: address the KV listener binds")
-    g.add_argument("--transfer-port", type=int, default=x.transfer_port, help="decode: KV listener port (0: any)")
-    g.add_argument("--no-transfer-checksum", action="store_true",
-                   help="skip the crc32 over every transferred piece (on by default)")
-    g.add_argument("--transfer-layers-per-chunk", type=int, default=x.layers_per_chunk,
-                   help="layers per transferred KV piece")
-    g.add_argument("--transfer-connect-timeout", type=float, default=x.connect_timeout_s,
-                   help="seconds to connect and greet a decode peer")
-    g.add_argument("--transfer-bootstrap-timeout", type=float, default=x.bootstrap_timeout_s,
-                   help="seconds for the reservation handshake (and for decode's final ack)")
-    g.add_argument("--transfer-timeout", type=float, default=x.transfer_timeout_s,
-                   help="seconds a reserved request may wait for its prefill (queue + compute + transfer)")
-    g.add_argument("--transfer-heartbeat-interval", type=float, default=x.heartbeat_interval_s,
-                   help="seconds between heartbeats on every PD peer connection")
-    g.add_argument("--transfer-heartbeat-timeout", type=float, default=x.heartbeat_timeout_s,
-                   help="seconds of silence after which a PD peer is dropped and its transfers fail")
-    g.add_argument("--test-corrupt-transfer", action="store_true",
-                   help="TEST ONLY (prefill): flip one byte of each request's first KV piece after checksumming")
+    g.add_argument(
+        "--role",
+        default=d.role,
+        choices=["single", "prefill", "decode"],
+        help="single: whole requests; prefill/decode: one side of a PD pair behind `kvrelay router`",
+    )
+    g.add_argument(
+        "--transfer-backend",
+        default=x.transfer_backend,
+        choices=["tcp"],
+        help="KV transfer backend",
+    )
+    g.add_argument(
+        "--transfer-host", default=x.transfer_host, help="decode: address the KV listener binds"
+    )
+    g.add_argument(
+        "--transfer-port",
+        type=int,
+        default=x.transfer_port,
+        help="decode: KV listener port (0: any)",
+    )
+    g.add_argument(
+        "--no-transfer-checksum",
+        action="store_true",
+        help="skip the crc32 over every transferred piece (on by default)",
+    )
+    g.add_argument(
+        "--transfer-layers-per-chunk",
+        type=int,
+        default=x.layers_per_chunk,
+        help="layers per transferred KV piece",
+    )
+    g.add_argument(
+        "--transfer-connect-timeout",
+        type=float,
+        default=x.connect_timeout_s,
+        help="seconds to connect and greet a decode peer",
+    )
+    g.add_argument(
+        "--transfer-bootstrap-timeout",
+        type=float,
+        default=x.bootstrap_timeout_s,
+        help="seconds for the reservation handshake (and for decode's final ack)",
+    )
+    g.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=x.transfer_timeout_s,
+        help="seconds a reserved request may wait for its prefill (queue + compute + transfer)",
+    )
+    g.add_argument(
+        "--transfer-heartbeat-interval",
+        type=float,
+        default=x.heartbeat_interval_s,
+        help="seconds between heartbeats on every PD peer connection",
+    )
+    g.add_argument(
+        "--transfer-heartbeat-timeout",
+        type=float,
+        default=x.heartbeat_timeout_s,
+        help="seconds of silence after which a PD peer is dropped and its transfers fail",
+    )
+    g.add_argument(
+        "--test-corrupt-transfer",
+        action="store_true",
+        help="TEST ONLY (prefill): flip one byte of each request's first KV piece after checksumming",
+    )
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -72,25 +146,41 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         ps, ks = a.test_fault_swap_token.split(",")
         p, k = float(ps), int(ks)
     return EngineConfig(
-        model=a.model, load_format=a.load_format, dtype=a.dtype, device=a.device,
-        attention_backend=a.attention_backend, cuda_graphs=not a.disable_cuda_graphs,
-        max_cuda_graph_batch=a.max_cuda_graph_batch, max_model_len=a.max_model_len, seed=a.seed,
-        cache=CacheConfig(page_size=a.page_size, max_total_tokens=a.max_total_tokens,
-                          memory_fraction=a.memory_fraction),
-        scheduler=SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
-                                  max_running_requests=a.max_running_requests,
-                                  kv_reserve_ratio=a.kv_reserve_ratio),
-        fault_swap_token_p=p, fault_swap_token_min_batch=k,
+        model=a.model,
+        load_format=a.load_format,
+        dtype=a.dtype,
+        device=a.device,
+        attention_backend=a.attention_backend,
+        cuda_graphs=not a.disable_cuda_graphs,
+        max_cuda_graph_batch=a.max_cuda_graph_batch,
+        max_model_len=a.max_model_len,
+        seed=a.seed,
+        cache=CacheConfig(
+            page_size=a.page_size,
+            max_total_tokens=a.max_total_tokens,
+            memory_fraction=a.memory_fraction,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            max_running_requests=a.max_running_requests,
+            kv_reserve_ratio=a.kv_reserve_ratio,
+        ),
+        fault_swap_token_p=p,
+        fault_swap_token_min_batch=k,
         role=a.role,
-        disagg=DisaggConfig(transfer_backend=a.transfer_backend, transfer_host=a.transfer_host,
-                            transfer_port=a.transfer_port, checksum=not a.no_transfer_checksum,
-                            layers_per_chunk=a.transfer_layers_per_chunk,
-                            connect_timeout_s=a.transfer_connect_timeout,
-                            bootstrap_timeout_s=a.transfer_bootstrap_timeout,
-                            transfer_timeout_s=a.transfer_timeout,
-                            heartbeat_interval_s=a.transfer_heartbeat_interval,
-                            heartbeat_timeout_s=a.transfer_heartbeat_timeout,
-                            test_corrupt_chunks=a.test_corrupt_transfer),
+        disagg=DisaggConfig(
+            transfer_backend=a.transfer_backend,
+            transfer_host=a.transfer_host,
+            transfer_port=a.transfer_port,
+            checksum=not a.no_transfer_checksum,
+            layers_per_chunk=a.transfer_layers_per_chunk,
+            connect_timeout_s=a.transfer_connect_timeout,
+            bootstrap_timeout_s=a.transfer_bootstrap_timeout,
+            transfer_timeout_s=a.transfer_timeout,
+            heartbeat_interval_s=a.transfer_heartbeat_interval,
+            heartbeat_timeout_s=a.transfer_heartbeat_timeout,
+            test_corrupt_chunks=a.test_corrupt_transfer,
+        ),
     )
 
 
@@ -101,14 +191,21 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from kvrelay.server.api import create_app
 
     setup_logging()
-    cfg = ServerConfig(host=a.host, port=a.port, served_model_name=a.served_model_name, max_n=1,
-                       engine=engine_config(a))
+    cfg = ServerConfig(
+        host=a.host,
+        port=a.port,
+        served_model_name=a.served_model_name,
+        max_n=1,
+        engine=engine_config(a),
+    )
 
     def ready(state) -> None:
         url = f"http://{a.host}:{a.port}"
-        example = (f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-                   f"-d '{{\"model\": \"{state.model_name}\", \"messages\": [{{\"role\": \"user\", "
-                   f"\"content\": \"Hello!\"}}], \"max_tokens\": 32}}'")
+        example = (
+            f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{state.model_name}", "messages": [{{"role": "user", '
+            f'"content": "Hello!"}}], "max_tokens": 32}}\''
+        )
         print(f"kvrelay ready: {url} (model {state.model_name}) | try: {example}", flush=True)
 
     uvicorn.run(create_app(cfg, on_ready=ready), host=a.host, port=a.port, log_level="warning")
@@ -122,43 +219,75 @@ def cmd_router(a: argparse.Namespace) -> int:
     from kvrelay.engine.process import setup_logging
 
     setup_logging()
-    cfg = RouterConfig(host=a.host, port=a.port, prefill=tuple(u for u in a.prefill.split(",") if u),
-                       decode=tuple(u for u in a.decode.split(",") if u), max_attempts=a.max_attempts,
-                       request_timeout_s=a.request_timeout, connect_timeout_s=a.connect_timeout)
+    cfg = RouterConfig(
+        host=a.host,
+        port=a.port,
+        prefill=tuple(u for u in a.prefill.split(",") if u),
+        decode=tuple(u for u in a.decode.split(",") if u),
+        max_attempts=a.max_attempts,
+        request_timeout_s=a.request_timeout,
+        connect_timeout_s=a.connect_timeout,
+    )
 
     def ready() -> None:
-        print(f"kvrelay router ready: http://{a.host}:{a.port} prefill={a.prefill} decode={a.decode}", flush=True)
+        print(
+            f"kvrelay router ready: http://{a.host}:{a.port} prefill={a.prefill} decode={a.decode}",
+            flush=True,
+        )
 
-    uvicorn.run(create_router_app(cfg, on_ready=ready), host=a.host, port=a.port, log_level="warning")
+    uvicorn.run(
+        create_router_app(cfg, on_ready=ready), host=a.host, port=a.port, log_level="warning"
+    )
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvrelay", description="LLM serving engine",
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="environment knobs:\n" + env_help())
+    p = argparse.ArgumentParser(
+        prog="kvrelay",
+        description="LLM serving engine",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="environment knobs:\n" + env_help(),
+    )
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog="environment knobs:\n" + env_help())
+    s = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="environment knobs:\n" + env_help(),
+    )
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None)
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
-    r = sub.add_parser("router", help="OpenAI-compatible front of prefill/decode servers (PD disaggregation)")
+    r = sub.add_parser(
+        "router", help="OpenAI-compatible front of prefill/decode servers (PD disaggregation)"
+    )
     rc = RouterConfig()
     r.add_argument("--host", default=rc.host, help="address the router listens on")
     r.add_argument("--port", type=int, default=rc.port, help="port the router listens on")
     r.add_argument("--prefill", required=True, help="prefill servers: URL[,URL...]")
     r.add_argument("--decode", required=True, help="decode servers: URL[,URL...]")
-    r.add_argument("--max-attempts", type=int, default=rc.max_attempts,
-                   help="tries per request, each on a fresh pair, while nothing has been streamed")
-    r.add_argument("--request-timeout", type=float, default=rc.request_timeout_s,
-                   help="seconds a request may take end to end")
-    r.add_argument("--connect-timeout", type=float, default=rc.connect_timeout_s,
-                   help="seconds to reach a server")
+    r.add_argument(
+        "--max-attempts",
+        type=int,
+        default=rc.max_attempts,
+        help="tries per request, each on a fresh pair, while nothing has been streamed",
+    )
+    r.add_argument(
+        "--request-timeout",
+        type=float,
+        default=rc.request_timeout_s,
+        help="seconds a request may take end to end",
+    )
+    r.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=rc.connect_timeout_s,
+        help="seconds to reach a server",
+    )
     r.set_defaults(func=cmd_router)
+    add_bench_parser(sub)
     return p
 
 

@@ -67,11 +67,15 @@ class DisaggConfig:
     checksum: bool = True  # crc32 over every transferred piece, verified before install
     layers_per_chunk: int = 8  # layers per transferred KV piece
     connect_timeout_s: float = 10.0
-    bootstrap_timeout_s: float = 30.0  # reservation handshake; also prefill waiting for decode's done
+    bootstrap_timeout_s: float = (
+        30.0  # reservation handshake; also prefill waiting for decode's done
+    )
     transfer_timeout_s: float = 300.0  # prefill queue + compute + transfer, as seen from each side
     heartbeat_interval_s: float = 2.0  # each side pings every peer connection this often
     heartbeat_timeout_s: float = 10.0  # a peer silent this long is dropped and its transfers fail
-    test_corrupt_chunks: bool = False  # TEST ONLY: prefill flips a byte in each request's first piece
+    test_corrupt_chunks: bool = (
+        False  # TEST ONLY: prefill flips a byte in each request's first piece
+    )
 
 
 @dataclass(frozen=True)
@@ -131,7 +135,9 @@ ENV_KNOBS: dict[str, EnvKnob] = {
     for k in (
         EnvKnob("KVRELAY_LOG_LEVEL", "INFO", "log level of every kvrelay process"),
         EnvKnob("KVRELAY_ENGINE_START_TIMEOUT_S", "600", "seconds to wait for the engine to load"),
-        EnvKnob("KVRELAY_CPU_THREADS", "0", "torch threads in the engine on CPU (0: torch default)"),
+        EnvKnob(
+            "KVRELAY_CPU_THREADS", "0", "torch threads in the engine on CPU (0: torch default)"
+        ),
     )
 }
 

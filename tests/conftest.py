@@ -40,7 +40,9 @@ class ServerProcess:
         env = dict(os.environ, KVRELAY_CPU_THREADS=os.environ.get("KVRELAY_CPU_THREADS", "2"))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(self.port), *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
         self.wait_healthy()
 
@@ -92,7 +94,9 @@ class ServerProcess:
 @pytest.fixture(scope="session")
 def server():
     """The embedded SmolLM2 behind a real HTTP server, shared by the API tests."""
-    s = ServerProcess("--model", "smollm2", "--max-total-tokens", "65536", "--max-num-batched-tokens", "128")
+    s = ServerProcess(
+        "--model", "smollm2", "--max-total-tokens", "65536", "--max-num-batched-tokens", "128"
+    )
     yield s
     s.close()
 

@@ -71,7 +71,9 @@ class TransferAgent:
                     with self._live_lock:
                         self._live.pop(conn, None)
                 elif now - seen > self.cfg.heartbeat_timeout_s:
-                    log.warning("peer silent, dropping it peer=%s silent_s=%.1f", conn.peer, now - seen)
+                    log.warning(
+                        "peer silent, dropping it peer=%s silent_s=%.1f", conn.peer, now - seen
+                    )
                     conn.close()
                 elif not self.heartbeats_paused:
                     try:
@@ -116,9 +118,18 @@ class TransferAgent:
             return False
 
     def _emit_failure(self, rid: str, tid: str, cause: str, message: str, state: str) -> None:
-        log.warning("transfer failed rid=%s transfer_id=%s role=%s state=%s cause=%s message=%s",
-                    rid, tid, self.role, state, cause, message)
-        self.engine.emit(RequestOutput(rid, [], finish_reason="error", error=f"{cause}: {message}", cause=cause))
+        log.warning(
+            "transfer failed rid=%s transfer_id=%s role=%s state=%s cause=%s message=%s",
+            rid,
+            tid,
+            self.role,
+            state,
+            cause,
+            message,
+        )
+        self.engine.emit(
+            RequestOutput(rid, [], finish_reason="error", error=f"{cause}: {message}", cause=cause)
+        )
 
     def poll(self) -> None:
         while True:

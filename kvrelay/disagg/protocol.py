@@ -23,7 +23,9 @@ class PDParams(msgspec.Struct, frozen=True):
     role: str  # prefill | decode
     transfer_id: str
     decode_addr: str = ""  # prefill only: the decode engine's transfer listener, host:port
-    decode_instance: str = ""  # prefill only: the decode instance the router saw (restart detection)
+    decode_instance: str = (
+        ""  # prefill only: the decode instance the router saw (restart detection)
+    )
 
 
 # ---- messages (prefill <-> decode, over one transport connection) --------------------------------
@@ -95,7 +97,16 @@ class Heartbeat(msgspec.Struct, tag=True):
     sent_at: float
 
 
-Message = Hello | ReserveRequest | ReserveAck | ChunkHeader | FirstToken | TransferDone | Failure | Heartbeat
+Message = (
+    Hello
+    | ReserveRequest
+    | ReserveAck
+    | ChunkHeader
+    | FirstToken
+    | TransferDone
+    | Failure
+    | Heartbeat
+)
 
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Message)
@@ -213,8 +224,14 @@ class TransferStateMachine:
         return d is not None and (self.clock() if now is None else now) > d
 
 
-def prefill_machine(bootstrap_s: float, prefill_s: float, send_s: float, clock=time.monotonic) -> TransferStateMachine:
-    timeouts = {TState.BOOTSTRAPPING: bootstrap_s, TState.PREFILLING: prefill_s, TState.SENDING: send_s}
+def prefill_machine(
+    bootstrap_s: float, prefill_s: float, send_s: float, clock=time.monotonic
+) -> TransferStateMachine:
+    timeouts = {
+        TState.BOOTSTRAPPING: bootstrap_s,
+        TState.PREFILLING: prefill_s,
+        TState.SENDING: send_s,
+    }
     return TransferStateMachine(TState.BOOTSTRAPPING, PREFILL_TRANSITIONS, timeouts, clock)
 
 

@@ -53,11 +53,21 @@ class DecodeReceiver(TransferAgent):
         super().__init__(engine)
         self.transfers: dict[str, DecodeTransfer] = {}  # by transfer id
         self.orphans: dict[str, Orphan] = {}
-        self.refused: dict[str, tuple[str, float]] = {}  # transfer id -> (why, when): answers a late prefill
-        self.ended: dict[str, float] = {}  # transfer id -> when it failed: its late pieces are dropped quietly
-        self.addr = self.transport.listen(self.cfg.transfer_host, self.cfg.transfer_port,
-                                          self._on_message, self._on_close)
-        log.info("decode transfer listener addr=%s instance=%s layout=%s", self.addr, self.instance_id, self.layout)
+        self.refused: dict[
+            str, tuple[str, float]
+        ] = {}  # transfer id -> (why, when): answers a late prefill
+        self.ended: dict[
+            str, float
+        ] = {}  # transfer id -> when it failed: its late pieces are dropped quietly
+        self.addr = self.transport.listen(
+            self.cfg.transfer_host, self.cfg.transfer_port, self._on_message, self._on_close
+        )
+        log.info(
+            "decode transfer listener addr=%s instance=%s layout=%s",
+            self.addr,
+            self.instance_id,
+            self.layout,
+        )
 
     @property
     def in_flight(self) -> bool:
@@ -66,7 +76,12 @@ class DecodeReceiver(TransferAgent):
     def _on_hello(self, conn: Connection, msg: P.Hello) -> None:
         conn.send(P.encode(P.Hello(self.instance_id, self.role, self.layout)))
         if msg.layout != self.layout:
-            log.error("prefill peer=%s has cache layout %s, decode has %s: refusing", conn.peer, msg.layout, self.layout)
+            log.error(
+                "prefill peer=%s has cache layout %s, decode has %s: refusing",
+                conn.peer,
+                msg.layout,
+                self.layout,
+            )
             conn.close()
         else:
             log.info("prefill connected peer=%s instance=%s", conn.peer, msg.instance_id)
@@ -79,7 +94,9 @@ class DecodeReceiver(TransferAgent):
         t = DecodeTransfer(req, pd, P.decode_machine(c.bootstrap_timeout_s, c.transfer_timeout_s))
         t.layers = [False] * eng.src.config.num_layers
         if pd.transfer_id in self.transfers:
-            self._emit_failure(req.rid, pd.transfer_id, P.Cause.IDENTITY, "duplicate transfer id", "new")
+            self._emit_failure(
+                req.rid, pd.transfer_id, P.Cause.IDENTITY, "duplicate transfer id", "new"
+            )
             return
         # Back-pressure: admit only what fits next to what running and reserved requests may still need.
         committed = sum(sched._future_pages(r) for r in sched.running + list(sched.waiting))
@@ -109,8 +126,15 @@ class DecodeReceiver(TransferAgent):
         for t in list(self.transfers.values()):
             if t.req.rid == rid:
                 self._drop(t)
-                self._send(t.conn, P.Failure(t.pd.transfer_id, P.Cause.ABORTED, "aborted on decode"))
-                log.info("transfer aborted rid=%s transfer_id=%s state=%s", rid, t.pd.transfer_id, t.sm.state.value)
+                self._send(
+                    t.conn, P.Failure(t.pd.transfer_id, P.Cause.ABORTED, "aborted on decode")
+                )
+                log.info(
+                    "transfer aborted rid=%s transfer_id=%s state=%s",
+                    rid,
+                    t.pd.transfer_id,
+                    t.sm.state.value,
+                )
                 return True
         return False
 
@@ -118,15 +142,25 @@ class DecodeReceiver(TransferAgent):
 
     def _match(self, t: DecodeTransfer, conn: Connection, msg: P.ReserveRequest) -> None:
         req = t.req
-        if msg.rid != req.rid or msg.num_tokens != len(req.prompt_ids) or msg.prompt_hash != P.prompt_hash(req.prompt_ids):
-            why = (f"prefill's request (rid {msg.rid}, {msg.num_tokens} tokens, hash {msg.prompt_hash}) does not "
-                   f"match decode's (rid {req.rid}, {len(req.prompt_ids)} tokens)")
+        if (
+            msg.rid != req.rid
+            or msg.num_tokens != len(req.prompt_ids)
+            or msg.prompt_hash != P.prompt_hash(req.prompt_ids)
+        ):
+            why = (
+                f"prefill's request (rid {msg.rid}, {msg.num_tokens} tokens, hash {msg.prompt_hash}) does not "
+                f"match decode's (rid {req.rid}, {len(req.prompt_ids)} tokens)"
+            )
             self._send(conn, P.ReserveAck(t.pd.transfer_id, False, why))
             return self._fail(t, P.Cause.IDENTITY, why, notify=False)
         t.conn = conn
         t.sm.to(TState.RECEIVING)
         if not self._send(conn, P.ReserveAck(t.pd.transfer_id, True)):
-            self._fail(t, P.Cause.PEER_LOST, "connection to prefill lost while acknowledging the reservation")
+            self._fail(
+                t,
+                P.Cause.PEER_LOST,
+                "connection to prefill lost while acknowledging the reservation",
+            )
 
     def _handle(self, ev: Event) -> None:
         msg = ev.msg
@@ -148,19 +182,35 @@ class DecodeReceiver(TransferAgent):
             if isinstance(msg, P.Failure):
                 self.orphans.pop(tid, None)
             elif tid in self.ended:
-                log.debug("late piece of a failed transfer dropped type=%s transfer_id=%s", type(msg).__name__, tid)
+                log.debug(
+                    "late piece of a failed transfer dropped type=%s transfer_id=%s",
+                    type(msg).__name__,
+                    tid,
+                )
             else:
-                log.warning("piece for unknown transfer dropped type=%s transfer_id=%s peer=%s",
-                            type(msg).__name__, tid, ev.conn.peer)
+                log.warning(
+                    "piece for unknown transfer dropped type=%s transfer_id=%s peer=%s",
+                    type(msg).__name__,
+                    tid,
+                    ev.conn.peer,
+                )
                 self._send(ev.conn, P.Failure(tid, P.Cause.IDENTITY, "decode has no such transfer"))
             return
         if ev.conn is not t.conn and not isinstance(msg, P.Failure):
-            return self._fail(t, P.Cause.IDENTITY, f"piece from {ev.conn.peer}, but the reservation belongs to "
-                              f"{t.conn.peer if t.conn else 'no peer yet'}")
+            return self._fail(
+                t,
+                P.Cause.IDENTITY,
+                f"piece from {ev.conn.peer}, but the reservation belongs to "
+                f"{t.conn.peer if t.conn else 'no peer yet'}",
+            )
         if isinstance(msg, P.Failure):
             if ev.conn is t.conn or t.conn is None:
-                self._fail(t, msg.cause if msg.cause != P.Cause.ABORTED else P.Cause.PEER_FAILED,
-                           f"prefill reported: {msg.message}", notify=False)
+                self._fail(
+                    t,
+                    msg.cause if msg.cause != P.Cause.ABORTED else P.Cause.PEER_FAILED,
+                    f"prefill reported: {msg.message}",
+                    notify=False,
+                )
         elif isinstance(msg, P.ChunkHeader):
             self._install(t, msg, ev)
         elif isinstance(msg, P.FirstToken):
@@ -178,7 +228,9 @@ class DecodeReceiver(TransferAgent):
             problem = f"chunk names request {h.rid}, the reservation is for {req.rid}"
         elif h.kind != "kv":
             problem = f"unknown cache kind {h.kind!r}"
-        elif not (0 <= h.layer_start < h.layer_end <= len(t.layers)) or any(t.layers[h.layer_start:h.layer_end]):
+        elif not (0 <= h.layer_start < h.layer_end <= len(t.layers)) or any(
+            t.layers[h.layer_start : h.layer_end]
+        ):
             problem = f"layer range [{h.layer_start}, {h.layer_end}) is invalid or repeated"
         elif (h.token_start, h.token_end) != (0, n_tok):
             problem = f"token range [{h.token_start}, {h.token_end}) does not cover the prompt [0, {n_tok})"
@@ -191,10 +243,12 @@ class DecodeReceiver(TransferAgent):
             got = 0 if ev.payload is None else ev.payload.nbytes
             return self._fail(t, P.Cause.IDENTITY, f"chunk of {got} bytes, expected {expected}")
         if not ev.checksum_ok:
-            return self._fail(t, P.Cause.CHECKSUM, f"checksum mismatch on layers [{h.layer_start}, {h.layer_end})")
+            return self._fail(
+                t, P.Cause.CHECKSUM, f"checksum mismatch on layers [{h.layer_start}, {h.layer_end})"
+            )
         src = torch.frombuffer(ev.payload, dtype=torch.uint8).view(kv.dtype).view(shape)
         pages = torch.tensor(req.pages[:n_pages], dtype=torch.long, device=kv.device)
-        kv[:, h.layer_start:h.layer_end].index_copy_(2, pages, src.to(kv.device))
+        kv[:, h.layer_start : h.layer_end].index_copy_(2, pages, src.to(kv.device))
         for i in range(h.layer_start, h.layer_end):
             t.layers[i] = True
         t.num_chunks += 1
@@ -202,12 +256,20 @@ class DecodeReceiver(TransferAgent):
     def _finish(self, t: DecodeTransfer, f: P.FirstToken) -> None:
         eng, req = self.engine, t.req
         if t.sm.state != TState.RECEIVING or f.rid != req.rid:
-            return self._fail(t, P.Cause.IDENTITY, f"first token for {f.rid} in state {t.sm.state.value}")
+            return self._fail(
+                t, P.Cause.IDENTITY, f"first token for {f.rid} in state {t.sm.state.value}"
+            )
         if not all(t.layers) or f.num_chunks != t.num_chunks:
-            return self._fail(t, P.Cause.IDENTITY, f"first token after {t.num_chunks} of {f.num_chunks} chunks "
-                              f"({sum(t.layers)}/{len(t.layers)} layers)")
+            return self._fail(
+                t,
+                P.Cause.IDENTITY,
+                f"first token after {t.num_chunks} of {f.num_chunks} chunks "
+                f"({sum(t.layers)}/{len(t.layers)} layers)",
+            )
         if not 0 <= f.token_id < eng.src.config.vocab_size:
-            return self._fail(t, P.Cause.IDENTITY, f"first token {f.token_id} is outside the vocabulary")
+            return self._fail(
+                t, P.Cause.IDENTITY, f"first token {f.token_id} is outside the vocabulary"
+            )
         t.sm.to(TState.DONE)
         del self.transfers[t.pd.transfer_id]
         self._send(t.conn, P.TransferDone(t.pd.transfer_id))
@@ -216,12 +278,21 @@ class DecodeReceiver(TransferAgent):
         if req.params.temperature > 0 and req.generator is not None:
             # Prefill drew the first token from this seed: make the same one draw (one exponential per
             # vocabulary entry, as the sampler does) so seeded sampling continues exactly as in one server.
-            torch.empty(eng.src.config.vocab_size, dtype=torch.float32, device=eng.runner.device).exponential_(
-                generator=req.generator)
+            torch.empty(
+                eng.src.config.vocab_size, dtype=torch.float32, device=eng.runner.device
+            ).exponential_(generator=req.generator)
         reason = eng._stop_reason(req, f.token_id)
         top = None if f.top_logprobs is None else [[TokenLogprob(a, b) for a, b in f.top_logprobs]]
-        eng.emit(RequestOutput(req.rid, [f.token_id], None if f.logprob is None else [f.logprob], top,
-                               finish_reason=reason, num_prompt_tokens=len(req.prompt_ids)))
+        eng.emit(
+            RequestOutput(
+                req.rid,
+                [f.token_id],
+                None if f.logprob is None else [f.logprob],
+                top,
+                finish_reason=reason,
+                num_prompt_tokens=len(req.prompt_ids),
+            )
+        )
         if reason is None:
             eng.scheduler.add(req)
         else:
@@ -249,14 +320,20 @@ class DecodeReceiver(TransferAgent):
                 del self.orphans[tid]
         for t in list(self.transfers.values()):
             if t.conn is conn:
-                self._fail(t, P.Cause.PEER_LOST, f"connection to prefill lost: {reason}", notify=False)
+                self._fail(
+                    t, P.Cause.PEER_LOST, f"connection to prefill lost: {reason}", notify=False
+                )
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
         for t in list(self.transfers.values()):
             if t.sm.expired(now):
-                self._fail(t, P.Cause.TIMEOUT, f"no progress for {t.sm.timeouts_s[t.sm.state]:.0f}s "
-                           f"in state {t.sm.state.value}")
+                self._fail(
+                    t,
+                    P.Cause.TIMEOUT,
+                    f"no progress for {t.sm.timeouts_s[t.sm.state]:.0f}s "
+                    f"in state {t.sm.state.value}",
+                )
         for tid, (_, when) in list(self.refused.items()):
             if now - when > self.cfg.bootstrap_timeout_s:
                 del self.refused[tid]
@@ -266,4 +343,7 @@ class DecodeReceiver(TransferAgent):
         for tid, o in list(self.orphans.items()):
             if now - o.arrived > self.cfg.bootstrap_timeout_s:
                 del self.orphans[tid]
-                self._send(o.conn, P.ReserveAck(tid, False, "decode never received its copy of the request"))
+                self._send(
+                    o.conn,
+                    P.ReserveAck(tid, False, "decode never received its copy of the request"),
+                )

@@ -62,18 +62,28 @@ class Router:
         if not cfg.prefill or not cfg.decode:
             raise ValueError("the router needs at least one prefill and one decode server")
         self.cfg = cfg
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s))
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
+        )
         self.info: dict[str, PeerInfo] = {}
         self._next = 0
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("kvrelay_router_requests", "requests by outcome", ["outcome"], registry=r)
-        self.failures = Counter("kvrelay_router_failures", "failed attempts by cause", ["cause"], registry=r)
-        self.retries = Counter("kvrelay_router_retries", "attempts retried on a fresh pair", registry=r)
+        self.requests = Counter(
+            "kvrelay_router_requests", "requests by outcome", ["outcome"], registry=r
+        )
+        self.failures = Counter(
+            "kvrelay_router_failures", "failed attempts by cause", ["cause"], registry=r
+        )
+        self.retries = Counter(
+            "kvrelay_router_retries", "attempts retried on a fresh pair", registry=r
+        )
 
     def pick(self) -> tuple[str, str]:
         i = self._next
         self._next += 1
-        return self.cfg.prefill[i % len(self.cfg.prefill)], self.cfg.decode[i % len(self.cfg.decode)]
+        return self.cfg.prefill[i % len(self.cfg.prefill)], self.cfg.decode[
+            i % len(self.cfg.decode)
+        ]
 
     async def peer_info(self, url: str, role: str, refresh: bool) -> PeerInfo:
         if not refresh and url in self.info:
@@ -83,7 +93,9 @@ class Router:
             r.raise_for_status()
             d = r.json()
         except (httpx.HTTPError, ValueError) as e:
-            raise RouteError(503, f"{role} server {url} is unreachable: {e}", f"{role}_unreachable") from None
+            raise RouteError(
+                503, f"{role} server {url} is unreachable: {e}", f"{role}_unreachable"
+            ) from None
         if d.get("role") != role:
             raise RouteError(503, f"{url} has role {d.get('role')!r}, not {role}", "role_mismatch")
         info = self.info[url] = PeerInfo(d["role"], d["instance_id"], d.get("transfer_addr", ""))
@@ -115,13 +127,31 @@ class Router:
         rid = f"{'chatcmpl' if 'chat' in path else 'cmpl'}-{uuid.uuid4().hex}"
         tid = uuid.uuid4().hex
         dbody = {**body, "kvrelay_pd": {"role": "decode", "transfer_id": tid, "request_id": rid}}
-        pbody = {**body, "stream": False,
-                 "kvrelay_pd": {"role": "prefill", "transfer_id": tid, "request_id": rid,
-                                "decode_addr": dinfo.transfer_addr, "decode_instance": dinfo.instance_id}}
+        pbody = {
+            **body,
+            "stream": False,
+            "kvrelay_pd": {
+                "role": "prefill",
+                "transfer_id": tid,
+                "request_id": rid,
+                "decode_addr": dinfo.transfer_addr,
+                "decode_instance": dinfo.instance_id,
+            },
+        }
         pbody.pop("stream_options", None)
-        log.info("route rid=%s transfer_id=%s prefill=%s decode=%s stream=%s", rid, tid, p_url, d_url, stream)
-        dtask = asyncio.create_task(self.client.send(self.client.build_request("POST", d_url + path, json=dbody),
-                                                     stream=True))
+        log.info(
+            "route rid=%s transfer_id=%s prefill=%s decode=%s stream=%s",
+            rid,
+            tid,
+            p_url,
+            d_url,
+            stream,
+        )
+        dtask = asyncio.create_task(
+            self.client.send(
+                self.client.build_request("POST", d_url + path, json=dbody), stream=True
+            )
+        )
         ptask = asyncio.create_task(self._prefill(p_url + path, pbody))
         dresp: httpx.Response | None = None
         try:
@@ -137,9 +167,11 @@ class Router:
             first = await self._race(asyncio.create_task(self._next_event(lines)), ptask, rid)
             if first is None:
                 raise RouteError(502, "decode closed the stream before any event", "stream_broken")
-            if first.startswith("data: {\"error\""):
+            if first.startswith('data: {"error"'):
                 err = json.loads(first[6:])["error"]
-                raise RouteError(502, f"decode: {err.get('message')}", err.get("code") or "decode_error")
+                raise RouteError(
+                    502, f"decode: {err.get('message')}", err.get("code") or "decode_error"
+                )
         except BaseException:
             dtask.cancel()
             if dresp is not None:
@@ -148,13 +180,17 @@ class Router:
                 ptask.cancel()
             raise
         asyncio.create_task(self._drain(ptask, rid))
-        return StreamingResponse(self._relay(first, lines, dresp, rid), media_type="text/event-stream")
+        return StreamingResponse(
+            self._relay(first, lines, dresp, rid), media_type="text/event-stream"
+        )
 
     async def _prefill(self, url: str, body: dict) -> None:
         try:
             r = await self.client.post(url, json=body)
         except httpx.HTTPError as e:
-            raise RouteError(502, f"prefill server failed: {type(e).__name__}: {e}", "prefill_unreachable") from None
+            raise RouteError(
+                502, f"prefill server failed: {type(e).__name__}: {e}", "prefill_unreachable"
+            ) from None
         if r.status_code != 200:
             raise _error_of(r.status_code, r.content, "prefill")
 
@@ -167,12 +203,18 @@ class Router:
                 task.cancel()
                 e = ptask.exception()
                 log.warning("prefill failed rid=%s error=%s", rid, e)
-                raise e if isinstance(e, RouteError) else RouteError(502, f"prefill: {e}", "prefill_error")
+                raise (
+                    e
+                    if isinstance(e, RouteError)
+                    else RouteError(502, f"prefill: {e}", "prefill_error")
+                )
             if task in done:
                 try:
                     return task.result()
                 except httpx.HTTPError as e:
-                    raise RouteError(502, f"decode server failed: {type(e).__name__}: {e}", "decode_unreachable") from None
+                    raise RouteError(
+                        502, f"decode server failed: {type(e).__name__}: {e}", "decode_unreachable"
+                    ) from None
 
     @staticmethod
     async def _next_event(lines) -> str | None:
@@ -185,7 +227,12 @@ class Router:
         try:
             await ptask
         except RouteError as e:
-            log.warning("prefill failed after decode answered rid=%s cause=%s message=%s", rid, e.cause, e.message)
+            log.warning(
+                "prefill failed after decode answered rid=%s cause=%s message=%s",
+                rid,
+                e.cause,
+                e.message,
+            )
         except asyncio.CancelledError:
             pass
 
@@ -198,8 +245,11 @@ class Router:
         except httpx.HTTPError as e:
             self.failures.labels(cause="stream_broken").inc()
             log.warning("decode stream broke rid=%s error=%s", rid, e)
-            err = {"message": f"decode stream broke: {type(e).__name__}: {e}", "type": "server_error",
-                   "code": "stream_broken"}
+            err = {
+                "message": f"decode stream broke: {type(e).__name__}: {e}",
+                "type": "server_error",
+                "code": "stream_broken",
+            }
             yield f"data: {json.dumps({'error': err})}\n\n"
         finally:
             await dresp.aclose()
@@ -208,7 +258,9 @@ class Router:
         status = {}
         for url in self.cfg.prefill + self.cfg.decode:
             try:
-                status[url] = (await self.client.get(url + "/health", timeout=self.cfg.connect_timeout_s)).status_code == 200
+                status[url] = (
+                    await self.client.get(url + "/health", timeout=self.cfg.connect_timeout_s)
+                ).status_code == 200
             except httpx.HTTPError:
                 status[url] = False
         return all(status.values()), status
@@ -242,7 +294,9 @@ def create_router_app(cfg: RouterConfig, on_ready=None) -> FastAPI:
         try:
             r = await router.client.get(cfg.decode[0] + "/v1/models")
         except httpx.HTTPError as e:
-            return RouteError(503, f"decode server unreachable: {e}", "decode_unreachable").response()
+            return RouteError(
+                503, f"decode server unreachable: {e}", "decode_unreachable"
+            ).response()
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     async def _body(request: Request) -> dict | JSONResponse:
@@ -251,14 +305,18 @@ def create_router_app(cfg: RouterConfig, on_ready=None) -> FastAPI:
         except (ValueError, UnicodeDecodeError) as e:
             return RouteError(400, f"malformed JSON: {e}", "bad_request").response()
         if not isinstance(body, dict):
-            return RouteError(400, "the request body must be a JSON object", "bad_request").response()
+            return RouteError(
+                400, "the request body must be a JSON object", "bad_request"
+            ).response()
         body.pop("kvrelay_pd", None)  # only the router sets it
         return body
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await _body(request)
-        return body if isinstance(body, Response) else await router.route("/v1/chat/completions", body)
+        return (
+            body if isinstance(body, Response) else await router.route("/v1/chat/completions", body)
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request):

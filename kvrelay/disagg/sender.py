@@ -58,7 +58,9 @@ class PrefillSender(TransferAgent):
         for peer in list(self.peers.values()):
             if peer.conn is conn:
                 if msg.layout != self.layout:
-                    peer.error = f"decode cache layout {msg.layout} differs from prefill's {self.layout}"
+                    peer.error = (
+                        f"decode cache layout {msg.layout} differs from prefill's {self.layout}"
+                    )
                 peer.instance_id = msg.instance_id
                 peer.hello.set()
 
@@ -66,13 +68,17 @@ class PrefillSender(TransferAgent):
         peer = self.peers.get(addr)
         if peer is not None and not peer.conn.closed:
             return peer
-        conn = self.transport.connect(addr, self._on_message, self._on_close, self.cfg.connect_timeout_s)
+        conn = self.transport.connect(
+            addr, self._on_message, self._on_close, self.cfg.connect_timeout_s
+        )
         peer = self.peers[addr] = Peer(conn)
         self.track(conn)
         conn.send(P.encode(P.Hello(self.instance_id, self.role, self.layout)))
         if not peer.hello.wait(self.cfg.connect_timeout_s):
             conn.close()
-            raise ConnectionError(f"decode at {addr} did not answer the hello within {self.cfg.connect_timeout_s}s")
+            raise ConnectionError(
+                f"decode at {addr} did not answer the hello within {self.cfg.connect_timeout_s}s"
+            )
         if peer.error:
             conn.close()
             raise ValueError(peer.error)
@@ -83,20 +89,35 @@ class PrefillSender(TransferAgent):
 
     def add(self, req, pd: P.PDParams) -> None:
         c = self.cfg
-        t = PrefillTransfer(req, pd, P.prefill_machine(c.bootstrap_timeout_s, c.transfer_timeout_s, c.bootstrap_timeout_s))
+        t = PrefillTransfer(
+            req,
+            pd,
+            P.prefill_machine(c.bootstrap_timeout_s, c.transfer_timeout_s, c.bootstrap_timeout_s),
+        )
         self.transfers[req.rid] = t
         try:
             t.peer = self._peer(pd.decode_addr)
         except ValueError as e:
             return self._fail(t, P.Cause.LAYOUT, str(e), notify=False)
         except (OSError, ConnectionError) as e:
-            return self._fail(t, P.Cause.CONNECT, f"cannot reach decode at {pd.decode_addr}: {e}", notify=False)
+            return self._fail(
+                t, P.Cause.CONNECT, f"cannot reach decode at {pd.decode_addr}: {e}", notify=False
+            )
         if pd.decode_instance and t.peer.instance_id != pd.decode_instance:
-            return self._fail(t, P.Cause.PEER_FAILED, f"decode at {pd.decode_addr} restarted (instance "
-                              f"{t.peer.instance_id}, router expected {pd.decode_instance})", notify=False)
-        rr = P.ReserveRequest(pd.transfer_id, req.rid, len(req.prompt_ids), P.prompt_hash(req.prompt_ids))
+            return self._fail(
+                t,
+                P.Cause.PEER_FAILED,
+                f"decode at {pd.decode_addr} restarted (instance "
+                f"{t.peer.instance_id}, router expected {pd.decode_instance})",
+                notify=False,
+            )
+        rr = P.ReserveRequest(
+            pd.transfer_id, req.rid, len(req.prompt_ids), P.prompt_hash(req.prompt_ids)
+        )
         if not self._send(t.peer.conn, rr):
-            self._fail(t, P.Cause.PEER_LOST, "connection to decode lost while bootstrapping", notify=False)
+            self._fail(
+                t, P.Cause.PEER_LOST, "connection to decode lost while bootstrapping", notify=False
+            )
 
     def on_sampled(self, req, out: RequestOutput) -> bool:
         """After the prompt's last chunk: ship KV + first token; True when the request was ours."""
@@ -107,9 +128,13 @@ class PrefillSender(TransferAgent):
             t.sm.to(TState.SENDING)
             nchunks = self._send_kv(t)
             first = P.FirstToken(
-                t.pd.transfer_id, req.rid, out.token_ids[0],
+                t.pd.transfer_id,
+                req.rid,
+                out.token_ids[0],
                 out.logprobs[0] if out.logprobs else None,
-                [(a.token_id, a.logprob) for a in out.top_logprobs[0]] if out.top_logprobs else None,
+                [(a.token_id, a.logprob) for a in out.top_logprobs[0]]
+                if out.top_logprobs
+                else None,
                 nchunks,
             )
             if not self._send(t.peer.conn, first):
@@ -132,8 +157,17 @@ class PrefillSender(TransferAgent):
             l1 = min(l0 + step, num_layers)
             piece = kv[:, l0:l1].index_select(2, pages).contiguous().cpu()
             buf = memoryview(piece.view(torch.uint8).numpy().reshape(-1))
-            hdr = P.ChunkHeader(t.pd.transfer_id, req.rid, "kv", l0, l1, 0, n_tok, buf.nbytes,
-                                P.checksum([buf]) if self.cfg.checksum else None)
+            hdr = P.ChunkHeader(
+                t.pd.transfer_id,
+                req.rid,
+                "kv",
+                l0,
+                l1,
+                0,
+                n_tok,
+                buf.nbytes,
+                P.checksum([buf]) if self.cfg.checksum else None,
+            )
             if self.cfg.test_corrupt_chunks and n == 0:
                 corrupted = bytearray(buf)
                 corrupted[len(corrupted) // 2] ^= 0xFF
@@ -148,8 +182,15 @@ class PrefillSender(TransferAgent):
         if t is None:
             return False
         if t.peer is not None:
-            self._send(t.peer.conn, P.Failure(t.pd.transfer_id, P.Cause.ABORTED, "aborted on prefill"))
-        log.info("transfer aborted rid=%s transfer_id=%s state=%s", rid, t.pd.transfer_id, t.sm.state.value)
+            self._send(
+                t.peer.conn, P.Failure(t.pd.transfer_id, P.Cause.ABORTED, "aborted on prefill")
+            )
+        log.info(
+            "transfer aborted rid=%s transfer_id=%s state=%s",
+            rid,
+            t.pd.transfer_id,
+            t.sm.state.value,
+        )
         return True
 
     # -- events --------------------------------------------------------------------------------------
@@ -166,27 +207,43 @@ class PrefillSender(TransferAgent):
             return
         t = self._by_tid(getattr(msg, "transfer_id", ""))
         if t is None or t.peer is None or t.peer.conn is not ev.conn:
-            log.info("message for unknown transfer dropped type=%s transfer_id=%s",
-                     type(msg).__name__, getattr(msg, "transfer_id", ""))
+            log.info(
+                "message for unknown transfer dropped type=%s transfer_id=%s",
+                type(msg).__name__,
+                getattr(msg, "transfer_id", ""),
+            )
             return
         if isinstance(msg, P.ReserveAck):
             if t.sm.state != TState.BOOTSTRAPPING:
-                return self._fail(t, P.Cause.IDENTITY, f"unexpected reservation ack in state {t.sm.state.value}")
+                return self._fail(
+                    t, P.Cause.IDENTITY, f"unexpected reservation ack in state {t.sm.state.value}"
+                )
             if not msg.ok:
-                return self._fail(t, P.Cause.REFUSED, f"decode refused the reservation: {msg.reason}", notify=False)
+                return self._fail(
+                    t,
+                    P.Cause.REFUSED,
+                    f"decode refused the reservation: {msg.reason}",
+                    notify=False,
+                )
             t.sm.to(TState.PREFILLING)
             self.engine.scheduler.add(t.req)
         elif isinstance(msg, P.TransferDone):
             if t.sm.state != TState.SENDING:
-                return self._fail(t, P.Cause.IDENTITY, f"unexpected transfer-done in state {t.sm.state.value}")
+                return self._fail(
+                    t, P.Cause.IDENTITY, f"unexpected transfer-done in state {t.sm.state.value}"
+                )
             t.sm.to(TState.DONE)
             del self.transfers[t.req.rid]
             out = msgspec.structs.replace(t.first, finish_reason="transferred")
             self.engine.emit(out)
             log.debug("transfer done rid=%s transfer_id=%s", t.req.rid, t.pd.transfer_id)
         elif isinstance(msg, P.Failure):
-            self._fail(t, msg.cause if msg.cause != P.Cause.ABORTED else P.Cause.PEER_FAILED,
-                       f"decode reported: {msg.message}", notify=False)
+            self._fail(
+                t,
+                msg.cause if msg.cause != P.Cause.ABORTED else P.Cause.PEER_FAILED,
+                f"decode reported: {msg.message}",
+                notify=False,
+            )
 
     def _fail(self, t: PrefillTransfer, cause: str, message: str, notify: bool = True) -> None:
         state = t.sm.state.value
@@ -205,11 +262,16 @@ class PrefillSender(TransferAgent):
                 del self.peers[addr]
         for t in list(self.transfers.values()):
             if t.peer is not None and t.peer.conn is conn:
-                self._fail(t, P.Cause.PEER_LOST, f"connection to decode lost: {reason}", notify=False)
+                self._fail(
+                    t, P.Cause.PEER_LOST, f"connection to decode lost: {reason}", notify=False
+                )
 
     def _check_deadlines(self) -> None:
         for t in list(self.transfers.values()):
             if t.sm.expired():
-                self._fail(t, P.Cause.TIMEOUT, f"no progress for {t.sm.timeouts_s[t.sm.state]:.0f}s "
-                           f"in state {t.sm.state.value}")
-
+                self._fail(
+                    t,
+                    P.Cause.TIMEOUT,
+                    f"no progress for {t.sm.timeouts_s[t.sm.state]:.0f}s "
+                    f"in state {t.sm.state.value}",
+                )

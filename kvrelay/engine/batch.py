@@ -58,5 +58,9 @@ def prepare(batch: list[ScheduledRequest], page_size: int, device: torch.device)
         is_decode=is_decode,
     )
     return ForwardBatch(
-        to_dev(ids, torch.int64), to_dev(pos, torch.int64), meta, to_dev(sample_rows, torch.int64), is_decode
+        to_dev(ids, torch.int64),
+        to_dev(pos, torch.int64),
+        meta,
+        to_dev(sample_rows, torch.int64),
+        is_decode,
     )

@@ -8,7 +8,32 @@ from kvrelay.engine.batch import ForwardBatch
 from kvrelay.layers.attention import AttentionMetadata
 from kvrelay.models.llama import ForwardContext
 
-BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+BUCKETS = (
+    1,
+    2,
+    4,
+    8,
+    12,
+    16,
+    24,
+    32,
+    40,
+    48,
+    56,
+    64,
+    80,
+    96,
+    112,
+    128,
+    160,
+    192,
+    224,
+    256,
+    320,
+    384,
+    448,
+    512,
+)
 
 
 class CudaGraphRunner:
@@ -29,14 +54,21 @@ class CudaGraphRunner:
         for bs in reversed(self.buckets):
             ctx = ForwardContext(
                 AttentionMetadata(
-                    self.slots[:bs], self.page_table[:bs], self.seq_lens[:bs], self.cu[: bs + 1], 1, True
+                    self.slots[:bs],
+                    self.page_table[:bs],
+                    self.seq_lens[:bs],
+                    self.cu[: bs + 1],
+                    1,
+                    True,
                 ),
                 kv_layers,
                 backend,
                 ops,
             )
-            run = lambda bs=bs, ctx=ctx: model.compute_logits(  # noqa: E731
-                model(self.input_ids[:bs], self.positions[:bs], ctx)
+            run = (
+                lambda bs=bs, ctx=ctx: model.compute_logits(  # noqa: E731
+                    model(self.input_ids[:bs], self.positions[:bs], ctx)
+                )
             )
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -51,7 +83,11 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
 
     def can_run(self, fb: ForwardBatch) -> bool:
-        return fb.is_decode and fb.batch_size <= self.max_bs and fb.attn.page_table.shape[1] <= self.page_table.shape[1]
+        return (
+            fb.is_decode
+            and fb.batch_size <= self.max_bs
+            and fb.attn.page_table.shape[1] <= self.page_table.shape[1]
+        )
 
     def run(self, fb: ForwardBatch) -> torch.Tensor:
         b = fb.batch_size

@@ -63,13 +63,17 @@ class Engine:
         if error:
             self._pending.append(RequestOutput(msg.rid, [], finish_reason="rejected", error=error))
             if msg.pd is not None and self.agent is not None:
-                self.agent.reject(msg.pd.transfer_id, error)  # the peer learns now, not at a timeout
+                self.agent.reject(
+                    msg.pd.transfer_id, error
+                )  # the peer learns now, not at a timeout
             return
         req = Request(msg.rid, msg.prompt_ids, p, 0)
         req.generator = torch.Generator(device=self.runner.device)
         req.generator.manual_seed(p.seed if p.seed is not None else self._rng.getrandbits(63))
         if msg.pd is not None:
-            if msg.pd.role == "prefill":  # only the prompt's KV and the first token are computed here
+            if (
+                msg.pd.role == "prefill"
+            ):  # only the prompt's KV and the first token are computed here
                 req.params = msgspec.structs.replace(p, max_tokens=1)
             self.agent.add(req, msg.pd)
             return
@@ -155,7 +159,11 @@ class Engine:
                 top_logprobs=None if result.top_logprobs[i] is None else [result.top_logprobs[i]],
                 num_prompt_tokens=len(req.prompt_ids),
             )
-            if self.agent is not None and self.agent.role == "prefill" and self.agent.on_sampled(req, out):
+            if (
+                self.agent is not None
+                and self.agent.role == "prefill"
+                and self.agent.on_sampled(req, out)
+            ):
                 continue  # shipped to decode with the prompt's KV; decode continues from here
             req.output_ids.append(tok)
             reason = out.finish_reason = self._stop_reason(req, tok)

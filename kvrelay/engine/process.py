@@ -55,9 +55,16 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str) -> None:
     r = engine.runner
     outbox.send(
         enc.encode(
-            EngineReady(engine.max_model_len, (r.allocator.num_usable) * r.page_size, r.page_size, str(r.device), str(r.dtype),
-                        role=cfg.role, instance_id=engine.agent.instance_id if engine.agent else "",
-                        transfer_addr=engine.agent.addr if engine.agent else "")
+            EngineReady(
+                engine.max_model_len,
+                (r.allocator.num_usable) * r.page_size,
+                r.page_size,
+                str(r.device),
+                str(r.dtype),
+                role=cfg.role,
+                instance_id=engine.agent.instance_id if engine.agent else "",
+                transfer_addr=engine.agent.addr if engine.agent else "",
+            )
         )
     )
     poller = zmq.Poller()

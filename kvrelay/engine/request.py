@@ -16,7 +16,9 @@ class Status(enum.Enum):
 
 
 class Request:
-    def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, arrival: int) -> None:
+    def __init__(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams, arrival: int
+    ) -> None:
         self.rid = rid
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []

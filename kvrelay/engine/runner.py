@@ -43,7 +43,9 @@ class ModelRunner:
         self.dtype = pick_dtype(cfg.dtype, self.device)
         self.page_size = cfg.cache.page_size
         torch.manual_seed(cfg.seed)
-        self.model = build_model(src, self.dtype, self.device, cfg.seed, cfg.max_model_len or 1 << 17)
+        self.model = build_model(
+            src, self.dtype, self.device, cfg.seed, cfg.max_model_len or 1 << 17
+        )
         self.model_cfg = src.config
         backend = cfg.attention_backend
         if backend == "auto":
@@ -55,18 +57,32 @@ class ModelRunner:
         self.kv = KVPool(self.model_cfg, num_pages, self.page_size, self.dtype, self.device)
         self.allocator = PageAllocator(num_pages)
         pool_tokens = (num_pages - 1) * self.page_size
-        self.max_model_len = min(cfg.max_model_len or self.model_cfg.max_position_embeddings, pool_tokens)
+        self.max_model_len = min(
+            cfg.max_model_len or self.model_cfg.max_position_embeddings, pool_tokens
+        )
         self.graphs = None
         if self.device.type == "cuda" and cfg.cuda_graphs:
             from kvrelay.engine.cuda_graphs import CudaGraphRunner
 
             max_pages = _cdiv(self.max_model_len, self.page_size)
             self.graphs = CudaGraphRunner(
-                self.model, self.kv.layers, self.backend, self.ops, cfg.max_cuda_graph_batch, max_pages, self.device
+                self.model,
+                self.kv.layers,
+                self.backend,
+                self.ops,
+                cfg.max_cuda_graph_batch,
+                max_pages,
+                self.device,
             )
         log.info(
             "runner ready device=%s dtype=%s backend=%s kv_pages=%d page_size=%d max_model_len=%d cuda_graphs=%s",
-            self.device, self.dtype, backend, num_pages, self.page_size, self.max_model_len, self.graphs is not None,
+            self.device,
+            self.dtype,
+            backend,
+            num_pages,
+            self.page_size,
+            self.max_model_len,
+            self.graphs is not None,
         )
 
     def _num_pages(self) -> int:

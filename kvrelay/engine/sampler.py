@@ -26,7 +26,9 @@ def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], outputs
         if (p.presence_penalty or p.frequency_penalty) and out:
             ids = torch.tensor(out, device=logits.device)
             counts = torch.bincount(ids, minlength=logits.shape[1]).to(logits.dtype)
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(
+                logits.dtype
+            )
 
 
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

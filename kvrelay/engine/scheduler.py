@@ -149,4 +149,3 @@ class Scheduler:
     def advance(self, batch: list[ScheduledRequest]) -> None:
         for s in batch:
             s.req.num_computed += s.num_new_tokens
-

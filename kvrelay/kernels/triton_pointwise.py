@@ -21,14 +21,18 @@ def _jit(fn):
 
 
 @_jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
     if HAS_RES:
         # The sum is rounded to the activation dtype, as the unfused `x + residual` is.
-        x = (x.to(tl.float32) + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(tl.float32) + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(
+            tl.float32
+        )
         x = x.to(res_ptr.dtype.element_ty)
         tl.store(res_ptr + row * n_cols + cols, x, mask=mask)
     x32 = x.to(tl.float32)
@@ -72,7 +76,12 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, stride_t, HALF: tl.constexpr):
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """In place on x [T, H, D] whose heads are contiguous within a token (any token stride),
     e.g. the q and k heads of a fused qkv output in one launch; returns x."""
-    assert x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.is_contiguous() and sin.is_contiguous()
+    assert (
+        x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+    )
     t, h, d = x.shape
     if t:
         _rope_kernel[(t, h)](x, cos, sin, x.stride(0), HALF=d // 2)
@@ -86,7 +95,11 @@ def _silu_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
     mask = cols < n_cols
     g = tl.load(x_ptr + row * 2 * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * 2 * n_cols + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * n_cols + cols, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        out_ptr + row * n_cols + cols,
+        (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

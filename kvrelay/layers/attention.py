@@ -60,7 +60,13 @@ class TritonAttention:
                 q, k_cache, v_cache, meta.page_table, meta.seq_lens, scale
             )
         return self._k.paged_attention(
-            q, k_cache, v_cache, meta.page_table, meta.seq_lens, meta.cu_seqlens_q, scale,
+            q,
+            k_cache,
+            v_cache,
+            meta.page_table,
+            meta.seq_lens,
+            meta.cu_seqlens_q,
+            scale,
             meta.max_q_len,
         )
 

@@ -31,7 +31,9 @@ class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position, computed once in float32 exactly as HF computes them
     per step (the same elementwise products), then looked up per token."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_positions: int, dtype, device) -> None:
+    def __init__(
+        self, head_dim: int, theta: float, scaling: dict | None, max_positions: int, dtype, device
+    ) -> None:
         super().__init__()
         inv, scale = _inv_freq(head_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv[None, :]

@@ -19,7 +19,13 @@ from kvrelay.layers.ops import TORCH_OPS, Ops
 class ForwardContext:
     """Everything one forward pass needs besides the weights (no module-level state)."""
 
-    def __init__(self, attn: AttentionMetadata, kv_caches, attn_backend: AttentionBackend, ops: Ops = TORCH_OPS):
+    def __init__(
+        self,
+        attn: AttentionMetadata,
+        kv_caches,
+        attn_backend: AttentionBackend,
+        ops: Ops = TORCH_OPS,
+    ):
         self.attn, self.kv_caches, self.attn_backend, self.ops = attn, kv_caches, attn_backend, ops
 
 
@@ -29,7 +35,9 @@ class Attention(nn.Module):
         self.layer, self.cfg = layer, cfg
         d = cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -122,7 +130,11 @@ class LlamaForCausalLM(nn.Module):
     def _shard_sizes(self, fused: str) -> list[int]:
         c = self.cfg
         if fused == "qkv_proj":
-            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+            return [
+                c.num_heads * c.head_dim,
+                c.num_kv_heads * c.head_dim,
+                c.num_kv_heads * c.head_dim,
+            ]
         return [c.intermediate_size, c.intermediate_size]
 
     def load_weights(self, weights) -> None:
@@ -152,7 +164,9 @@ class LlamaForCausalLM(nn.Module):
             else:
                 target = params[name]
             if target.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
+                raise ValueError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}"
+                )
             with torch.no_grad():
                 target.copy_(tensor)
             seen.add(name)

@@ -75,7 +75,16 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
     @app.get("/health_generate")
     async def health_generate():
         params = SamplingParams(max_tokens=1, temperature=0.0)
-        gen = Generation(state.client, state.tokenizer, f"health-{uuid.uuid4().hex}", [0], params, [], state.metrics, 30.0)
+        gen = Generation(
+            state.client,
+            state.tokenizer,
+            f"health-{uuid.uuid4().hex}",
+            [0],
+            params,
+            [],
+            state.metrics,
+            30.0,
+        )
         try:
             async for _ in gen.deltas():
                 pass
@@ -91,8 +100,12 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         r = state.client.ready
         if r is None:
             raise unavailable("engine not ready")
-        return {"role": r.role, "instance_id": r.instance_id, "transfer_addr": r.transfer_addr,
-                "model": state.model_name}
+        return {
+            "role": r.role,
+            "instance_id": r.instance_id,
+            "transfer_addr": r.transfer_addr,
+            "model": state.model_name,
+        }
 
     @app.get("/metrics")
     async def metrics():
@@ -100,8 +113,13 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "kvrelay",
-                "max_model_len": state.max_model_len}
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kvrelay",
+            "max_model_len": state.max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/chat/completions")
@@ -116,39 +134,81 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         gen = _start(req, prompt_ids)
         rid, created = gen.rid, int(gen.created)
         if req.stream:
-            return _stream(request, gen, lambda d, first: _chat_chunk(rid, created, d, first, req),
-                           rid, created, "chat.completion.chunk", req)
+            return _stream(
+                request,
+                gen,
+                lambda d, first: _chat_chunk(rid, created, d, first, req),
+                rid,
+                created,
+                "chat.completion.chunk",
+                req,
+            )
         deltas = await _collect(request, gen)
         text = "".join(d.text for d in deltas)
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "finish_reason": deltas[-1].finish_reason, "logprobs": None}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": deltas[-1].finish_reason,
+            "logprobs": None,
+        }
         if req.logprobs:
             choice["logprobs"] = fmt.chat_logprobs(state.tokenizer, deltas)
-        return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
-                "choices": [choice], "usage": fmt.usage(len(prompt_ids), gen.completion_tokens)}
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": state.model_name,
+            "choices": [choice],
+            "usage": fmt.usage(len(prompt_ids), gen.completion_tokens),
+        }
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await _parse(request, CompletionRequest)
         _check_common(req)
         prompt = req.prompt
-        prompt_ids = list(prompt) if isinstance(prompt, list) else state.tokenizer.encode(prompt, add_special_tokens=False)
+        prompt_ids = (
+            list(prompt)
+            if isinstance(prompt, list)
+            else state.tokenizer.encode(prompt, add_special_tokens=False)
+        )
         if not prompt_ids:
             raise bad_request("prompt is empty", "prompt")
         gen = _start(req, prompt_ids)
         rid, created = gen.rid, int(gen.created)
-        echo = (prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt_ids)) if req.echo else ""
+        echo = (
+            (prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt_ids))
+            if req.echo
+            else ""
+        )
         if req.stream:
             offset = [0]  # text offset of the next token, across chunks
-            return _stream(request, gen, lambda d, first: _completion_chunk(rid, created, d, first, req, echo, offset),
-                           rid, created, "text_completion", req)
+            return _stream(
+                request,
+                gen,
+                lambda d, first: _completion_chunk(rid, created, d, first, req, echo, offset),
+                rid,
+                created,
+                "text_completion",
+                req,
+            )
         deltas = await _collect(request, gen)
-        choice = {"index": 0, "text": echo + "".join(d.text for d in deltas),
-                  "finish_reason": deltas[-1].finish_reason, "logprobs": None}
+        choice = {
+            "index": 0,
+            "text": echo + "".join(d.text for d in deltas),
+            "finish_reason": deltas[-1].finish_reason,
+            "logprobs": None,
+        }
         if req.logprobs is not None:
             choice["logprobs"] = fmt.completion_logprobs(state.tokenizer, deltas, len(echo))
-        return {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                "choices": [choice], "usage": fmt.usage(len(prompt_ids), gen.completion_tokens)}
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": state.model_name,
+            "choices": [choice],
+            "usage": fmt.usage(len(prompt_ids), gen.completion_tokens),
+        }
 
     async def _parse(request: Request, schema):
         size = request.headers.get("content-length")
@@ -174,38 +234,64 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         if not state.client.healthy:
             raise unavailable(state.client.dead_reason or "engine not ready")
         if req.model != state.model_name:
-            raise APIError(404, f"model {req.model!r} does not exist; this server serves {state.model_name!r}",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"model {req.model!r} does not exist; this server serves {state.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
         if req.n > cfg.max_n:
             raise bad_request(f"n={req.n} is not supported (at most {cfg.max_n})", "n")
 
     def _start(req, prompt_ids: list[int]) -> Generation:
         limit = state.max_model_len
         if len(prompt_ids) >= limit:
-            raise bad_request(f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit}", "messages")
+            raise bad_request(
+                f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit}",
+                "messages",
+            )
         max_tokens = req.max_tokens if req.max_tokens is not None else limit - len(prompt_ids)
         if len(prompt_ids) + max_tokens > limit:
             raise bad_request(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context length {limit}",
-                "max_tokens")
+                "max_tokens",
+            )
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-            top_k=max(req.top_k, 0), min_p=req.min_p, seed=req.seed,
-            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=max(req.top_k, 0),
+            min_p=req.min_p,
+            seed=req.seed,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
             logprobs=req.num_logprobs,
         )
-        rid = f"{'chatcmpl' if isinstance(req, ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"
+        rid = (
+            f"{'chatcmpl' if isinstance(req, ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"
+        )
         pd, pd_rid = _pd_params(req)
         if pd is not None:
             rid = pd_rid or rid
             if rid in state.client.queues:
                 raise APIError(409, f"request id {rid} is already in flight", param="kvrelay_pd")
-        return Generation(state.client, state.tokenizer, rid, prompt_ids, params, req.stop_strings,
-                          state.metrics, cfg.request_timeout_s, pd=pd)
+        return Generation(
+            state.client,
+            state.tokenizer,
+            rid,
+            prompt_ids,
+            params,
+            req.stop_strings,
+            state.metrics,
+            cfg.request_timeout_s,
+            pd=pd,
+        )
 
     async def _collect(request: Request, gen: Generation) -> list[Delta]:
         """Run to completion, aborting the request if the client goes away first."""
+
         async def run():
             return [d async for d in gen.deltas()]
 
@@ -235,8 +321,14 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
                 yield f"data: {json.dumps({'error': err})}\n\n"
                 return
             if include_usage:
-                body = {"id": rid, "object": obj, "created": created, "model": state.model_name,
-                        "choices": [], "usage": fmt.usage(len(gen.prompt_ids), gen.completion_tokens)}
+                body = {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": state.model_name,
+                    "choices": [],
+                    "usage": fmt.usage(len(gen.prompt_ids), gen.completion_tokens),
+                }
                 yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
 
@@ -247,17 +339,31 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         choice = {"index": 0, "delta": delta, "finish_reason": d.finish_reason, "logprobs": None}
         if req.logprobs and d.token_ids:
             choice["logprobs"] = fmt.chat_logprobs(state.tokenizer, [d])
-        return {"id": rid, "object": "chat.completion.chunk", "created": created,
-                "model": state.model_name, "choices": [choice]}
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": state.model_name,
+            "choices": [choice],
+        }
 
-    def _completion_chunk(rid, created, d: Delta, first: bool, req, echo: str, offset: list[int]) -> dict:
+    def _completion_chunk(
+        rid, created, d: Delta, first: bool, req, echo: str, offset: list[int]
+    ) -> dict:
         text = (echo if first else "") + d.text
         choice = {"index": 0, "text": text, "finish_reason": d.finish_reason, "logprobs": None}
         if req.logprobs is not None and d.token_ids:
-            choice["logprobs"] = fmt.completion_logprobs(state.tokenizer, [d], offset[0] + len(echo) * first)
+            choice["logprobs"] = fmt.completion_logprobs(
+                state.tokenizer, [d], offset[0] + len(echo) * first
+            )
         offset[0] += len(text)
-        return {"id": rid, "object": "text_completion", "created": created,
-                "model": state.model_name, "choices": [choice]}
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": state.model_name,
+            "choices": [choice],
+        }
 
     return app
 

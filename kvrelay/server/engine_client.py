@@ -73,7 +73,9 @@ class EngineClient:
         deadline = loop.time() + timeout_s
         while self.ready is None:
             if not self.proc.is_alive():
-                raise EngineDead(f"engine process exited with code {self.proc.exitcode} while starting")
+                raise EngineDead(
+                    f"engine process exited with code {self.proc.exitcode} while starting"
+                )
             if loop.time() > deadline:
                 raise EngineDead(f"engine did not start within {timeout_s:.0f}s")
             if await self._from.poll(500):
@@ -107,7 +109,9 @@ class EngineClient:
         for rid, q in list(self.queues.items()):
             q.put_nowait(RequestOutput(rid, [], finish_reason="error", error=self.dead_reason))
 
-    async def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams, pd: PDParams | None = None) -> asyncio.Queue:
+    async def submit(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams, pd: PDParams | None = None
+    ) -> asyncio.Queue:
         if not self.healthy:
             raise EngineDead(self.dead_reason or "engine is not running")
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()

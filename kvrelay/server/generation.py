@@ -43,7 +43,9 @@ class Generation:
     async def deltas(self) -> AsyncIterator[Delta]:
         q = await self.client.submit(self.rid, self.prompt_ids, self.params, self.pd)
         detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
-        hold = max((len(s) for s in self.stops), default=1) - 1  # chars that may start a stop string
+        hold = (
+            max((len(s) for s in self.stops), default=1) - 1
+        )  # chars that may start a stop string
         pending = ""  # decoded text not yet released (it may begin a stop string)
         start = time.perf_counter()
         first_at = None
@@ -52,13 +54,17 @@ class Generation:
                 try:
                     out: RequestOutput = await asyncio.wait_for(q.get(), self.timeout_s)
                 except TimeoutError:
-                    raise APIError(504, f"request timed out after {self.timeout_s:.0f}s", "timeout") from None
+                    raise APIError(
+                        504, f"request timed out after {self.timeout_s:.0f}s", "timeout"
+                    ) from None
                 if out.error:
                     if out.finish_reason == "rejected":
                         raise APIError(400, out.error)
                     if out.cause:
                         self.metrics.pd_failures.labels(cause=out.cause).inc()
-                        raise APIError(pd_status(out.cause), out.error, "server_error", code=out.cause)
+                        raise APIError(
+                            pd_status(out.cause), out.error, "server_error", code=out.cause
+                        )
                     status = 503 if self.client.dead_reason else 500
                     raise APIError(status, out.error, "server_error")
                 if out.finish_reason == "abort":

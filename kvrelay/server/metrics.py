@@ -12,25 +12,39 @@ _LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60, 120)
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.running = Gauge("kvrelay_num_requests_running", "requests in the running batch", registry=r)
-        self.waiting = Gauge("kvrelay_num_requests_waiting", "requests waiting for admission", registry=r)
-        self.kv_usage = Gauge("kvrelay_kv_cache_usage_ratio", "fraction of KV pages in use", registry=r)
+        self.running = Gauge(
+            "kvrelay_num_requests_running", "requests in the running batch", registry=r
+        )
+        self.waiting = Gauge(
+            "kvrelay_num_requests_waiting", "requests waiting for admission", registry=r
+        )
+        self.kv_usage = Gauge(
+            "kvrelay_kv_cache_usage_ratio", "fraction of KV pages in use", registry=r
+        )
         self.kv_used = Gauge("kvrelay_kv_pages_used", "KV pages in use", registry=r)
         self.preemptions = Gauge("kvrelay_num_preemptions", "requests preempted so far", registry=r)
         self.prompt_tokens = Counter("kvrelay_prompt_tokens", "prompt tokens processed", registry=r)
-        self.generation_tokens = Counter("kvrelay_generation_tokens", "tokens generated", registry=r)
+        self.generation_tokens = Counter(
+            "kvrelay_generation_tokens", "tokens generated", registry=r
+        )
         self.requests = Counter(
             "kvrelay_requests", "finished requests by finish reason", ["finish_reason"], registry=r
         )
         self.pd_failures = Counter(
             "kvrelay_pd_transfer_failures", "PD transfer failures by cause", ["cause"], registry=r
         )
-        self.errors = Counter("kvrelay_request_errors", "requests answered with an error", ["status"], registry=r)
-        self.ttft = Histogram("kvrelay_time_to_first_token_seconds", "TTFT", buckets=_LATENCY, registry=r)
+        self.errors = Counter(
+            "kvrelay_request_errors", "requests answered with an error", ["status"], registry=r
+        )
+        self.ttft = Histogram(
+            "kvrelay_time_to_first_token_seconds", "TTFT", buckets=_LATENCY, registry=r
+        )
         self.tpot = Histogram(
             "kvrelay_time_per_output_token_seconds", "TPOT", buckets=_LATENCY, registry=r
         )
-        self.e2e = Histogram("kvrelay_e2e_request_latency_seconds", "latency", buckets=_LATENCY, registry=r)
+        self.e2e = Histogram(
+            "kvrelay_e2e_request_latency_seconds", "latency", buckets=_LATENCY, registry=r
+        )
         self.step = Histogram(
             "kvrelay_engine_step_seconds", "engine step time", buckets=_LATENCY, registry=r
         )

@@ -22,7 +22,11 @@ def chat_logprobs(tokenizer, deltas: list[Delta]) -> dict:
                     "logprob": d.logprobs[i],
                     "bytes": list(text.encode()),
                     "top_logprobs": [
-                        {"token": (t := token_text(tokenizer, a.token_id)), "logprob": a.logprob, "bytes": list(t.encode())}
+                        {
+                            "token": (t := token_text(tokenizer, a.token_id)),
+                            "logprob": a.logprob,
+                            "bytes": list(t.encode()),
+                        }
                         for a in (d.top_logprobs[i] if i < len(d.top_logprobs) else [])
                     ],
                 }

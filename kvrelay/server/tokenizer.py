@@ -13,10 +13,14 @@ def load_tokenizer(src: ModelSource):
     return AutoTokenizer.from_pretrained(src.tokenizer_dir)
 
 
-def apply_chat_template(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+def apply_chat_template(
+    tokenizer, messages: list[dict], tools: list[dict] | None = None
+) -> list[int]:
     if not tokenizer.chat_template:
         raise ValueError("this model has no chat template; use /v1/completions")
-    out = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+    out = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=True
+    )
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
@@ -36,7 +40,9 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
+        return self.tok.decode(
+            ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False
+        )
 
     def add(self, token_ids: list[int]) -> str:
         self.ids += token_ids
@@ -48,7 +54,6 @@ class IncrementalDetokenizer:
             self.text += new
             return new
         return ""
-
 
     def flush(self) -> str:
         """At the end of a request: whatever was held back, even an incomplete character."""

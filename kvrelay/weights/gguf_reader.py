@@ -72,7 +72,11 @@ def _hf_name(gguf_name: str) -> str:
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     # llama.cpp stores q/k rows interleaved for its RoPE; HF expects the rotate-half order.
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def read_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

@@ -48,7 +48,9 @@ def resolve(model: str, load_format: str = "auto") -> ModelSource:
             g = embedded_gguf()
         except FileNotFoundError:
             return ModelSource(model, "dummy", None, PRESETS[model], "", None)
-        return ModelSource(model, "dummy", None, PRESETS[model], os.path.dirname(g), os.path.basename(g))
+        return ModelSource(
+            model, "dummy", None, PRESETS[model], os.path.dirname(g), os.path.basename(g)
+        )
     path = embedded_gguf() if model == EMBEDDED else model
     if path.endswith(".gguf") and os.path.isfile(path):
         reader = gguf_reader.open_gguf(path)
@@ -56,13 +58,26 @@ def resolve(model: str, load_format: str = "auto") -> ModelSource:
         name = EMBEDDED if model == EMBEDDED else os.path.basename(path)
         return ModelSource(name, "gguf", path, cfg, os.path.dirname(path), os.path.basename(path))
     if os.path.isdir(path):
-        return ModelSource(os.path.basename(os.path.normpath(path)), "hf", path, hf_dir.read_config(path), path, None)
+        return ModelSource(
+            os.path.basename(os.path.normpath(path)),
+            "hf",
+            path,
+            hf_dir.read_config(path),
+            path,
+            None,
+        )
     raise FileNotFoundError(
         f"--model {model!r} is neither {EMBEDDED!r}, a .gguf file, an HF directory, nor a dummy preset"
     )
 
 
-def build_model(src: ModelSource, dtype: torch.dtype, device: torch.device, seed: int = 0, max_positions: int = 1 << 17):
+def build_model(
+    src: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    max_positions: int = 1 << 17,
+):
     cls = model_class(src.config.architecture)
     with torch.device("meta"):
         model = cls(src.config)
@@ -77,7 +92,9 @@ def build_model(src: ModelSource, dtype: torch.dtype, device: torch.device, seed
     model = model.to(dtype).eval()
     c = src.config
     max_positions = min(c.max_position_embeddings, max_positions)
-    model.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, max_positions, dtype, device)
+    model.rotary = RotaryEmbedding(
+        c.head_dim, c.rope_theta, c.rope_scaling, max_positions, dtype, device
+    )
     return model
 
 

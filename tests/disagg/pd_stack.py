@@ -21,9 +21,22 @@ class RouterProcess:
         self.log_path = f"/tmp/kvrelay-test-router-{self.port}.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvrelay.cli", "router", "--port", str(self.port),
-             "--prefill", ",".join(prefill), "--decode", ",".join(decode), *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ),
+            [
+                sys.executable,
+                "-m",
+                "kvrelay.cli",
+                "router",
+                "--port",
+                str(self.port),
+                "--prefill",
+                ",".join(prefill),
+                "--decode",
+                ",".join(decode),
+                *args,
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ),
         )
         deadline = time.time() + 60
         while time.time() < deadline:
@@ -59,8 +72,12 @@ class RouterProcess:
 
 
 class PDStack:
-    def __init__(self, prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = (),
-                 router_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        prefill_args: tuple[str, ...] = (),
+        decode_args: tuple[str, ...] = (),
+        router_args: tuple[str, ...] = (),
+    ) -> None:
         common = ("--model", "smollm2", "--max-total-tokens", "16384")
         self.decode = self.prefill = self.router = None
         # One torch thread per engine: prefill and decode share the test machine's cores with the
@@ -70,10 +87,24 @@ class PDStack:
         os.environ["KVRELAY_CPU_THREADS"] = threads
         try:
             with ThreadPoolExecutor(2) as ex:  # the two servers load their models in parallel
-                fd = ex.submit(ServerProcess, *common, "--role", "decode", "--max-num-batched-tokens", "512",
-                               *decode_args)
-                fp = ex.submit(ServerProcess, *common, "--role", "prefill", "--max-num-batched-tokens", "64",
-                               *prefill_args)
+                fd = ex.submit(
+                    ServerProcess,
+                    *common,
+                    "--role",
+                    "decode",
+                    "--max-num-batched-tokens",
+                    "512",
+                    *decode_args,
+                )
+                fp = ex.submit(
+                    ServerProcess,
+                    *common,
+                    "--role",
+                    "prefill",
+                    "--max-num-batched-tokens",
+                    "64",
+                    *prefill_args,
+                )
         finally:
             if saved is None:
                 os.environ.pop("KVRELAY_CPU_THREADS", None)
@@ -94,8 +125,15 @@ class PDStack:
         """KV pages and running requests back to 0 on both sides."""
         deadline = time.time() + timeout
         while True:
-            vals = {(s, m): srv.metric(m) for s, srv in (("prefill", self.prefill), ("decode", self.decode))
-                    for m in ("kvrelay_kv_pages_used", "kvrelay_num_requests_running", "kvrelay_num_requests_waiting")}
+            vals = {
+                (s, m): srv.metric(m)
+                for s, srv in (("prefill", self.prefill), ("decode", self.decode))
+                for m in (
+                    "kvrelay_kv_pages_used",
+                    "kvrelay_num_requests_running",
+                    "kvrelay_num_requests_waiting",
+                )
+            }
             if not any(vals.values()):
                 return
             if time.time() > deadline:

@@ -26,8 +26,13 @@ def _client(url: str) -> openai.OpenAI:
 def test_corrupt_bytes_fail_the_request_with_an_integrity_error(corrupting, stream):
     c = _client(corrupting.router.url)
     with pytest.raises(openai.APIStatusError) as e:
-        r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello there!"}],
-                                      max_tokens=8, temperature=0, stream=stream)
+        r = c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hello there!"}],
+            max_tokens=8,
+            temperature=0,
+            stream=stream,
+        )
         for _ in r:
             pass
     assert e.value.status_code == 502

@@ -15,8 +15,10 @@ import pytest
 from pd_stack import PDStack
 
 MODEL = "smollm2"
-STORY = ("The old lighthouse keeper climbed the spiral stairs every evening, counting the steps, "
-         "listening to the sea, and writing the weather into a leather notebook. ")
+STORY = (
+    "The old lighthouse keeper climbed the spiral stairs every evening, counting the steps, "
+    "listening to the sea, and writing the weather into a leather notebook. "
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +39,31 @@ def _specs() -> list[dict]:
         STORY * 9,  # ~300 tokens: several chunks
     ]
     for i, p in enumerate(prompts):
-        specs.append({"kind": "completion", "prompt": p, "stream": i % 2 == 1, "max_tokens": 12 + 2 * i,
-                      "logprobs": 2 if i % 3 == 0 else None})
-    chats = ["Name three colours of the rainbow.", "What is 2+2? Answer briefly.",
-             STORY * 2 + "Summarise the story.", STORY * 6 + "What did the keeper write?"]
+        specs.append(
+            {
+                "kind": "completion",
+                "prompt": p,
+                "stream": i % 2 == 1,
+                "max_tokens": 12 + 2 * i,
+                "logprobs": 2 if i % 3 == 0 else None,
+            }
+        )
+    chats = [
+        "Name three colours of the rainbow.",
+        "What is 2+2? Answer briefly.",
+        STORY * 2 + "Summarise the story.",
+        STORY * 6 + "What did the keeper write?",
+    ]
     for i, c in enumerate(chats):
-        specs.append({"kind": "chat", "content": c, "stream": i % 2 == 0, "max_tokens": 16 + 4 * i,
-                      "logprobs": i % 2 == 1})
+        specs.append(
+            {
+                "kind": "chat",
+                "content": c,
+                "stream": i % 2 == 0,
+                "max_tokens": 16 + 4 * i,
+                "logprobs": i % 2 == 1,
+            }
+        )
     return specs
 
 
@@ -59,7 +79,12 @@ def _run(client: openai.OpenAI, spec: dict) -> dict:
         if not stream:
             c = r.choices[0]
             lps = c.logprobs.token_logprobs if c.logprobs else None
-            return {"text": c.text, "finish": c.finish_reason, "n": r.usage.completion_tokens, "lps": lps}
+            return {
+                "text": c.text,
+                "finish": c.finish_reason,
+                "n": r.usage.completion_tokens,
+                "lps": lps,
+            }
         text, lps, finish, n = "", [], None, None
         for ch in r:
             if ch.usage:
@@ -72,11 +97,18 @@ def _run(client: openai.OpenAI, spec: dict) -> dict:
         return {"text": text, "finish": finish, "n": n, "lps": lps or None}
     if spec["logprobs"]:
         kw.update(logprobs=True, top_logprobs=2)
-    r = client.chat.completions.create(messages=[{"role": "user", "content": spec["content"]}], **kw)
+    r = client.chat.completions.create(
+        messages=[{"role": "user", "content": spec["content"]}], **kw
+    )
     if not stream:
         c = r.choices[0]
         lps = [x.logprob for x in c.logprobs.content] if c.logprobs else None
-        return {"text": c.message.content, "finish": c.finish_reason, "n": r.usage.completion_tokens, "lps": lps}
+        return {
+            "text": c.message.content,
+            "finish": c.finish_reason,
+            "n": r.usage.completion_tokens,
+            "lps": lps,
+        }
     text, lps, finish, n = "", [], None, None
     for ch in r:
         if ch.usage:
@@ -115,11 +147,15 @@ def test_pd_matches_single_server_token_for_token(pd, server):
 
 def test_first_token_finishes_the_request(pd, server):
     """max_tokens=1: decode gets the first token from prefill and has nothing left to compute."""
-    kw = dict(model=MODEL, prompt="The capital of France is", max_tokens=1, temperature=0, logprobs=1)
+    kw = dict(
+        model=MODEL, prompt="The capital of France is", max_tokens=1, temperature=0, logprobs=1
+    )
     w = _client(server.url).completions.create(**kw)
     g = _client(pd.router.url).completions.create(**kw)
     assert g.choices[0].text == w.choices[0].text and g.choices[0].finish_reason == "length"
-    assert g.choices[0].logprobs.token_logprobs == pytest.approx(w.choices[0].logprobs.token_logprobs, abs=1e-3)
+    assert g.choices[0].logprobs.token_logprobs == pytest.approx(
+        w.choices[0].logprobs.token_logprobs, abs=1e-3
+    )
     pd.wait_idle()
 
 

@@ -103,10 +103,18 @@ def tcp_pair():
     client_rx: queue.Queue = queue.Queue()
     closed: queue.Queue = queue.Queue()
     srv, cli = TcpTransport(), TcpTransport()
-    addr = srv.listen("127.0.0.1", 0, lambda c, h, p: server_rx.put((c, h, bytes(p))),
-                      lambda c, r: closed.put(("server", r)))
-    conn = cli.connect(addr, lambda c, h, p: client_rx.put((c, h, bytes(p))),
-                       lambda c, r: closed.put(("client", r)), timeout_s=5)
+    addr = srv.listen(
+        "127.0.0.1",
+        0,
+        lambda c, h, p: server_rx.put((c, h, bytes(p))),
+        lambda c, r: closed.put(("server", r)),
+    )
+    conn = cli.connect(
+        addr,
+        lambda c, h, p: client_rx.put((c, h, bytes(p))),
+        lambda c, r: closed.put(("client", r)),
+        timeout_s=5,
+    )
     yield addr, conn, server_rx, client_rx, closed
     cli.close()
     srv.close()
@@ -123,7 +131,9 @@ def test_tcp_framing_round_trip_both_ways(tcp_pair):
     got = P.decode(h1)
     assert got == hdr and p1 == big + b"xyz" and P.checksum([p1]) == got.checksum
     assert P.decode(h2) == P.TransferDone("t") and p2 == b""
-    sconn.send(P.encode(P.ReserveAck("t", True)))  # the accepted side answers on the same connection
+    sconn.send(
+        P.encode(P.ReserveAck("t", True))
+    )  # the accepted side answers on the same connection
     _, h3, _ = client_rx.get(timeout=10)
     assert P.decode(h3) == P.ReserveAck("t", True)
 

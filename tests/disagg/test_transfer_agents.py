@@ -20,16 +20,25 @@ PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprob
 
 
 def _engine(role: str, max_total_tokens: int = 4096, **disagg) -> Engine:
-    return Engine(EngineConfig(
-        model="qwen3-tiny", load_format="dummy", role=role,
-        cache=CacheConfig(max_total_tokens=max_total_tokens, page_size=16),
-        scheduler=SchedulerConfig(max_num_batched_tokens=32),  # prompts over 32 tokens are chunked
-        disagg=DisaggConfig(layers_per_chunk=1, **disagg),
-    ))
+    return Engine(
+        EngineConfig(
+            model="qwen3-tiny",
+            load_format="dummy",
+            role=role,
+            cache=CacheConfig(max_total_tokens=max_total_tokens, page_size=16),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=32
+            ),  # prompts over 32 tokens are chunked
+            disagg=DisaggConfig(layers_per_chunk=1, **disagg),
+        )
+    )
 
 
 def _prompts() -> list[list[int]]:
-    return [[(7 * i + 3 * j) % 1000 + 10 for j in range(n)] for i, n in enumerate([5, 16, 17, 33, 70, 100])]
+    return [
+        [(7 * i + 3 * j) % 1000 + 10 for j in range(n)]
+        for i, n in enumerate([5, 16, 17, 33, 70, 100])
+    ]
 
 
 class Pair:
@@ -37,8 +46,16 @@ class Pair:
         self.p, self.d = prefill, decode
         self.outs: dict[tuple[str, str], list] = {}
 
-    def submit(self, rid: str, ids: list[int], params=PARAMS, tid: str | None = None, d_ids=None,
-               send_prefill: bool = True, send_decode: bool = True) -> None:
+    def submit(
+        self,
+        rid: str,
+        ids: list[int],
+        params=PARAMS,
+        tid: str | None = None,
+        d_ids=None,
+        send_prefill: bool = True,
+        send_decode: bool = True,
+    ) -> None:
         tid = tid or f"t-{rid}"
         if send_decode:
             self.d.add(AddRequest(rid, d_ids or ids, params, PDParams("decode", tid)))
@@ -64,8 +81,14 @@ class Pair:
         return self.outs[(side, rid)][-1]
 
     def assert_clean(self) -> None:
-        self.pump(lambda: not self.p.transfers_in_flight and not self.d.transfers_in_flight
-                  and not self.p.has_work and not self.d.has_work)
+        self.pump(
+            lambda: (
+                not self.p.transfers_in_flight
+                and not self.d.transfers_in_flight
+                and not self.p.has_work
+                and not self.d.has_work
+            )
+        )
         for e in (self.p, self.d):
             assert e.runner.allocator.num_used == 0
             e.check_idle_integrity()

@@ -56,11 +56,18 @@ def hf_reference(prompt_ids):
     for ids in prompt_ids:
         with torch.no_grad():
             r = model.generate(
-                torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                torch.tensor([ids]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
             )
-        toks = r.sequences[0, len(ids):].tolist()
-        lps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(r.logits, toks, strict=True)]
+        toks = r.sequences[0, len(ids) :].tolist()
+        lps = [
+            torch.log_softmax(lg[0].float(), -1)[t].item()
+            for lg, t in zip(r.logits, toks, strict=True)
+        ]
         logits = [lg[0].float() for lg in r.logits]
         refs.append((toks, lps, logits))
     return refs
@@ -81,7 +88,9 @@ def _check(results, hf_reference):
             # Only a genuine numerical near-tie may differ; anything else is a bug.
             assert gap < 1e-4, f"prompt {i} differs at token {j} with top-2 logit gap {gap}"
             continue
-        assert max(abs(a - b) for a, b in zip(lps, ref_lps, strict=True)) < 1e-3, f"prompt {i} logprobs"
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps, strict=True)) < 1e-3, (
+            f"prompt {i} logprobs"
+        )
 
 
 @pytest.fixture(scope="module")

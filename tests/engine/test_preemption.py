@@ -12,8 +12,13 @@ PARAMS = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 def _prompts(tokenizer) -> list[list[int]]:
     topics = ["cats", "the moon", "bread", "rivers", "chess", "rain", "glass", "owls"]
     return [
-        list(tokenizer.apply_chat_template([{"role": "user", "content": f"Tell me about {t}."}],
-                                           add_generation_prompt=True, tokenize=True)["input_ids"])
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": f"Tell me about {t}."}],
+                add_generation_prompt=True,
+                tokenize=True,
+            )["input_ids"]
+        )
         for t in topics
     ]
 
@@ -29,10 +34,12 @@ def test_preempted_requests_give_the_same_tokens(smollm2_tokenizer):
     assert roomy.scheduler.num_preemptions == 0
 
     # 8 requests x (~40 prompt + 48 new) tokens need ~700 slots; give them 448, reserve nothing.
-    tight = Engine(EngineConfig(
-        cache=CacheConfig(max_total_tokens=448, page_size=16),
-        scheduler=SchedulerConfig(kv_reserve_ratio=0.0),
-    ))
+    tight = Engine(
+        EngineConfig(
+            cache=CacheConfig(max_total_tokens=448, page_size=16),
+            scheduler=SchedulerConfig(kv_reserve_ratio=0.0),
+        )
+    )
     got = _tokens(generate(tight, prompts, PARAMS))
     assert tight.scheduler.num_preemptions > 0
     assert got == want

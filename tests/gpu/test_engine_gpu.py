@@ -18,15 +18,23 @@ pytestmark = pytest.mark.gpu
 
 
 def _run(backend: str, graphs: bool, chunk: int = 2048):
-    eng = Engine(EngineConfig(
-        model="smollm2-135m", load_format="dummy", dtype="float32", attention_backend=backend,
-        cuda_graphs=graphs, cache=CacheConfig(max_total_tokens=16384),
-        scheduler=SchedulerConfig(max_num_batched_tokens=chunk),
-    ))
+    eng = Engine(
+        EngineConfig(
+            model="smollm2-135m",
+            load_format="dummy",
+            dtype="float32",
+            attention_backend=backend,
+            cuda_graphs=graphs,
+            cache=CacheConfig(max_total_tokens=16384),
+            scheduler=SchedulerConfig(max_num_batched_tokens=chunk),
+        )
+    )
     g = torch.Generator().manual_seed(3)
     lens = [1, 7, 16, 17, 100, 257, 600, 1500]
     prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in lens]
-    outs = generate(eng, prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=2))
+    outs = generate(
+        eng, prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=2)
+    )
     eng.check_idle_integrity()
     tokens = [[t for o in out for t in o.token_ids] for out in outs]
     tops = [[o.top_logprobs[0] for o in out] for out in outs]
@@ -38,7 +46,9 @@ def _compare(got, ref) -> None:
         j = next((k for k, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
         if j is not None:
             gap = tops[j][0].logprob - tops[j][1].logprob
-            assert gap < 1e-3, f"prompt {i}: first divergence at token {j}, reference top-2 gap {gap}"
+            assert gap < 1e-3, (
+                f"prompt {i}: first divergence at token {j}, reference top-2 gap {gap}"
+            )
 
 
 @pytest.fixture(scope="module")

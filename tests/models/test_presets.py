@@ -77,7 +77,9 @@ def test_llama_1b_rope_matches_hf_llama3() -> None:
         rope_parameters={**cfg.rope_scaling, "rope_theta": cfg.rope_theta},
     )
     ref, scaling = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, torch.device("cpu"))
-    ours = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, 4096, torch.float32, "cpu")
+    ours = RotaryEmbedding(
+        cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, 4096, torch.float32, "cpu"
+    )
     pos = torch.arange(4096).float()[:, None] * ref.float()[None, :]
     want = torch.cat((pos, pos), -1)
     torch.testing.assert_close(ours.cos, want.cos() * scaling, rtol=0, atol=1e-6)

@@ -32,9 +32,24 @@ CASES = [
     ("wrong type", CHAT, _chat(max_tokens="lots"), 400),
     ("top_logprobs without logprobs", CHAT, _chat(top_logprobs=3), 400),
     ("empty prompt", COMP, {"model": "smollm2", "prompt": "", "max_tokens": 4}, 400),
-    ("token id outside vocab", COMP, {"model": "smollm2", "prompt": [1, 2, 10**9], "max_tokens": 4}, 400),
-    ("prompt longer than context", COMP, {"model": "smollm2", "prompt": "word " * 9000, "max_tokens": 4}, 400),
-    ("max_tokens beyond context", COMP, {"model": "smollm2", "prompt": "Hi", "max_tokens": 10**6}, 400),
+    (
+        "token id outside vocab",
+        COMP,
+        {"model": "smollm2", "prompt": [1, 2, 10**9], "max_tokens": 4},
+        400,
+    ),
+    (
+        "prompt longer than context",
+        COMP,
+        {"model": "smollm2", "prompt": "word " * 9000, "max_tokens": 4},
+        400,
+    ),
+    (
+        "max_tokens beyond context",
+        COMP,
+        {"model": "smollm2", "prompt": "Hi", "max_tokens": 10**6},
+        400,
+    ),
     ("oversized body", CHAT, _chat(messages=[{"role": "user", "content": "x" * (5 << 20)}]), 413),
 ]
 

@@ -10,7 +10,16 @@ import time
 import openai
 
 MODEL = "smollm2"
-TOPICS = ["the ocean", "a robot", "Paris", "prime numbers", "tea", "volcanoes", "a lighthouse", "jazz"]
+TOPICS = [
+    "the ocean",
+    "a robot",
+    "Paris",
+    "prime numbers",
+    "tea",
+    "volcanoes",
+    "a lighthouse",
+    "jazz",
+]
 
 
 def _requests(n: int = 64) -> list[dict]:
@@ -23,7 +32,9 @@ def _requests(n: int = 64) -> list[dict]:
         reqs.append(
             dict(
                 model=MODEL,
-                messages=[{"role": "user", "content": f"{filler} Write about {topic}, variant {i}."}],
+                messages=[
+                    {"role": "user", "content": f"{filler} Write about {topic}, variant {i}."}
+                ],
                 max_tokens=rng.randint(4, 40),
                 temperature=0,
                 logprobs=True,
@@ -57,7 +68,9 @@ def test_64_concurrent_streams_match_alone(server):
     alone = [sync.chat.completions.create(**kw) for kw in reqs]
 
     async def run_all():
-        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300)
+        client = openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300
+        )
         return await asyncio.gather(*(_stream_one(client, kw) for kw in reqs))
 
     together = asyncio.run(run_all())

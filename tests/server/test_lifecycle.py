@@ -15,7 +15,10 @@ from conftest import ServerProcess
 def _wait_idle(server, timeout: float = 15.0) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if server.metric("kvrelay_kv_pages_used") == 0 and server.metric("kvrelay_num_requests_running") == 0:
+        if (
+            server.metric("kvrelay_kv_pages_used") == 0
+            and server.metric("kvrelay_num_requests_running") == 0
+        ):
             return
         time.sleep(0.2)
     raise AssertionError("KV pages or running requests were not freed")
@@ -28,9 +31,17 @@ def test_health_and_health_generate(server):
 
 
 def test_client_disconnect_mid_stream_frees_everything(server):
-    body = {"model": "smollm2", "prompt": "Count: 1, 2, 3,", "max_tokens": 2000, "ignore_eos": True,
-            "stream": True}
-    with httpx.Client(timeout=60) as c, c.stream("POST", server.url + "/v1/completions", json=body) as r:
+    body = {
+        "model": "smollm2",
+        "prompt": "Count: 1, 2, 3,",
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=60) as c,
+        c.stream("POST", server.url + "/v1/completions", json=body) as r,
+    ):
         assert r.status_code == 200
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
@@ -66,8 +77,11 @@ def test_dead_engine_gives_503_and_failed_health():
         assert not th.is_alive(), "in-flight request hung after the engine died"
         assert result["r"].status_code == 503 and "engine" in result["r"].json()["error"]["message"]
         assert httpx.get(s.url + "/health").status_code == 503
-        r = httpx.post(s.url + "/v1/chat/completions", timeout=10,
-                       json={"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]})
+        r = httpx.post(
+            s.url + "/v1/chat/completions",
+            timeout=10,
+            json={"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert r.status_code == 503
         assert s.proc.poll() is None  # the API process itself stays up to answer
     finally:

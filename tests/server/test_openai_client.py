@@ -28,12 +28,16 @@ def test_chat_completion(client):
 
 
 def test_max_tokens_gives_length(client):
-    r = client.chat.completions.create(model=MODEL, messages=MSG, max_completion_tokens=3, temperature=0)
+    r = client.chat.completions.create(
+        model=MODEL, messages=MSG, max_completion_tokens=3, temperature=0
+    )
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
 
 
 def test_completion(client):
-    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0)
+    r = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0
+    )
     assert "Paris" in r.choices[0].text
     assert r.usage.completion_tokens == 6
 
@@ -41,7 +45,11 @@ def test_completion(client):
 def test_chat_stream_reassembles_to_the_whole_answer(client):
     whole = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=40, temperature=0)
     stream = client.chat.completions.create(
-        model=MODEL, messages=MSG, max_tokens=40, temperature=0, stream=True,
+        model=MODEL,
+        messages=MSG,
+        max_tokens=40,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
     )
     parts, finish, usage = [], None, None
@@ -60,7 +68,12 @@ def test_chat_stream_reassembles_to_the_whole_answer(client):
 def test_completion_stream_reassembles(client):
     kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=30, temperature=0)
     whole = client.completions.create(**kw).choices[0].text
-    assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices) == whole
+    assert (
+        "".join(
+            c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices
+        )
+        == whole
+    )
 
 
 def test_chat_logprobs(client):
@@ -73,11 +86,15 @@ def test_chat_logprobs(client):
         assert item.logprob <= 0 and len(item.top_logprobs) == 3
         # Greedy: the chosen token is the most likely one.
         assert item.logprob == pytest.approx(item.top_logprobs[0].logprob, abs=1e-6)
-        assert [t.logprob for t in item.top_logprobs] == sorted((t.logprob for t in item.top_logprobs), reverse=True)
+        assert [t.logprob for t in item.top_logprobs] == sorted(
+            (t.logprob for t in item.top_logprobs), reverse=True
+        )
 
 
 def test_completion_logprobs(client):
-    r = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=5, temperature=0, logprobs=2)
+    r = client.completions.create(
+        model=MODEL, prompt="1, 2, 3,", max_tokens=5, temperature=0, logprobs=2
+    )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     assert "".join(lp.tokens) == r.choices[0].text
@@ -85,15 +102,26 @@ def test_completion_logprobs(client):
 
 
 def test_stop_string_truncates(client):
-    base = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0).choices[0].text
+    base = (
+        client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0)
+        .choices[0]
+        .text
+    )
     assert " 6" in base
-    r = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[" 6"])
+    r = client.completions.create(
+        model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[" 6"]
+    )
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == base[: base.index(" 6")]
     streamed = "".join(
         c.choices[0].text
         for c in client.completions.create(
-            model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[" 6"], stream=True
+            model=MODEL,
+            prompt="1, 2, 3, 4,",
+            max_tokens=20,
+            temperature=0,
+            stop=[" 6"],
+            stream=True,
         )
         if c.choices
     )
@@ -101,9 +129,16 @@ def test_stop_string_truncates(client):
 
 
 def test_seed_reproducibility(client):
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=24, temperature=1.0)
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me a story."}],
+        max_tokens=24,
+        temperature=1.0,
+    )
     a = client.chat.completions.create(seed=1234, **kw).choices[0].message.content
     b = client.chat.completions.create(seed=1234, **kw).choices[0].message.content
-    others = {client.chat.completions.create(seed=s, **kw).choices[0].message.content for s in (1, 2, 3)}
+    others = {
+        client.chat.completions.create(seed=s, **kw).choices[0].message.content for s in (1, 2, 3)
+    }
     assert a == b
     assert len(others | {a}) > 1  # different seeds really sample differently

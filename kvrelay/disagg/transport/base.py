@@ -40,7 +40,9 @@ class Transport(ABC):
         """Accept peers; returns the address ("host:port") peers connect to."""
 
     @abstractmethod
-    def connect(self, addr: str, on_message: OnMessage, on_close: OnClose, timeout_s: float) -> Connection: ...
+    def connect(
+        self, addr: str, on_message: OnMessage, on_close: OnClose, timeout_s: float
+    ) -> Connection: ...
 
     @abstractmethod
     def close(self) -> None: ...

@@ -48,7 +48,9 @@ def read_frame(sock: socket.socket) -> tuple[bytes, memoryview]:
 
 
 class TcpConnection(Connection):
-    def __init__(self, sock: socket.socket, peer: str, on_message: OnMessage, on_close: OnClose) -> None:
+    def __init__(
+        self, sock: socket.socket, peer: str, on_message: OnMessage, on_close: OnClose
+    ) -> None:
         self.sock, self.peer = sock, peer
         self._on_message, self._on_close = on_message, on_close
         self._lock = threading.Lock()
@@ -115,8 +117,12 @@ class TcpTransport(Transport):
         srv.bind((host, port))
         srv.listen(64)
         self._server = srv
-        threading.Thread(target=self._accept, args=(srv, on_message, on_close), daemon=True,
-                         name="kvrelay-tcp-accept").start()
+        threading.Thread(
+            target=self._accept,
+            args=(srv, on_message, on_close),
+            daemon=True,
+            name="kvrelay-tcp-accept",
+        ).start()
         h, p = srv.getsockname()[:2]
         return f"{h}:{p}"
 
@@ -129,7 +135,9 @@ class TcpTransport(Transport):
             with self._lock:
                 self._conns.append(TcpConnection(sock, f"{h}:{p}", on_message, on_close))
 
-    def connect(self, addr: str, on_message: OnMessage, on_close: OnClose, timeout_s: float) -> Connection:
+    def connect(
+        self, addr: str, on_message: OnMessage, on_close: OnClose, timeout_s: float
+    ) -> Connection:
         host, port = addr.rsplit(":", 1)
         sock = socket.create_connection((host, int(port)), timeout=timeout_s)
         sock.settimeout(None)
