@@ -14,7 +14,6 @@ from kvrelay.engine.messages import (
     AddRequest,
     EngineFailed,
     EngineReady,
-    FromEngine,
     Shutdown,
     ToEngine,
 )
@@ -93,6 +92,3 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str) -> None:
             out = engine.step()
             if out.outputs or out.stats:
                 outbox.send(enc.encode(out))
-
-
-FromEngineDecoder = msgspec.msgpack.Decoder(FromEngine)
