@@ -198,6 +198,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         help="no progress bar",
     )
     b.set_defaults(func=cmd_bench)
+    # `kvrelay verify` rides along, so the top-level CLI needs no wiring of its own.
+    from kvrelay.bench.verify import add_verify_parser
+
+    add_verify_parser(subparsers)
     return b
 
 
