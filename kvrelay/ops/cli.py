@@ -1,0 +1,123 @@
+"""`kvrelay up`: the command line of the launcher (router + prefill + decode on one machine)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import sys
+
+
+def add_up_parser(subparsers) -> argparse.ArgumentParser:
+    u = subparsers.add_parser(
+        "up",
+        help="start router + prefill + decode on this machine; supervise; Ctrl-C stops, SIGHUP "
+        "co-restarts",
+    )
+    u.add_argument("--host", default="127.0.0.1", help="address the router listens on")
+    u.add_argument("--port", type=int, default=8000, help="router port (0: any free port)")
+    u.add_argument("--server-host", default="127.0.0.1", help="address prefill/decode listen on")
+    u.add_argument("--prefill-port", type=int, default=0, help="prefill HTTP port (0: any)")
+    u.add_argument("--decode-port", type=int, default=0, help="decode HTTP port (0: any)")
+    u.add_argument("--transfer-port", type=int, default=0, help="decode KV listener port (0: any)")
+    u.add_argument("--log-dir", default="kvrelay-logs", help="one log file per process goes here")
+    u.add_argument("--prefill-gpus", default=None, help="CUDA_VISIBLE_DEVICES of prefill, e.g. 0-3")
+    u.add_argument("--decode-gpus", default=None, help="CUDA_VISIBLE_DEVICES of decode, e.g. 4,5")
+    u.add_argument("--model", default=None, help="passed to both servers (see `kvrelay serve`)")
+    u.add_argument("--load-format", default=None, choices=["auto", "dummy"])
+    u.add_argument("--max-total-tokens", type=int, default=None)
+    u.add_argument("--max-num-batched-tokens", type=int, default=None)
+    u.add_argument(
+        "--server-args",
+        default="",
+        help="more `kvrelay serve` args for both servers, e.g. --server-args='--dtype float32'",
+    )
+    u.add_argument("--prefill-args", default="", help="more `kvrelay serve` args for prefill")
+    u.add_argument("--decode-args", default="", help="more `kvrelay serve` args for decode")
+    u.add_argument("--router-args", default="", help="more `kvrelay router` args")
+    u.add_argument(
+        "--health-timeout",
+        type=float,
+        default=600.0,
+        help="seconds each stage may take to become healthy",
+    )
+    u.set_defaults(func=cmd_up)
+    return u
+
+
+def _gpus(spec: str | None) -> str | None:
+    """'0-3' -> '0,1,2,3'; '4,5' stays; None stays None."""
+    if spec is None:
+        return None
+    out: list[str] = []
+    for part in spec.split(","):
+        part = part.strip()
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            out += [str(i) for i in range(int(lo), int(hi) + 1)]
+        elif part:
+            out.append(part)
+    return ",".join(out)
+
+
+def launch_config(a: argparse.Namespace):
+    from kvrelay.ops.launcher import LaunchConfig
+
+    common: list[str] = []
+    for flag, val in (
+        ("--model", a.model),
+        ("--load-format", a.load_format),
+        ("--max-total-tokens", a.max_total_tokens),
+        ("--max-num-batched-tokens", a.max_num_batched_tokens),
+    ):
+        if val is not None:
+            common += [flag, str(val)]
+    return LaunchConfig(
+        host=a.host,
+        port=a.port,
+        server_host=a.server_host,
+        prefill_port=a.prefill_port,
+        decode_port=a.decode_port,
+        transfer_port=a.transfer_port,
+        log_dir=a.log_dir,
+        prefill_gpus=_gpus(a.prefill_gpus),
+        decode_gpus=_gpus(a.decode_gpus),
+        server_args=(*common, *shlex.split(a.server_args)),
+        prefill_args=tuple(shlex.split(a.prefill_args)),
+        decode_args=tuple(shlex.split(a.decode_args)),
+        router_args=tuple(shlex.split(a.router_args)),
+        health_timeout_s=a.health_timeout,
+    )
+
+
+def cmd_up(a: argparse.Namespace) -> int:
+    from kvrelay.config import env
+    from kvrelay.ops.launcher import Launcher
+
+    logging.basicConfig(
+        level=env("KVRELAY_LOG_LEVEL"),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # health polls are not events
+
+    def ready(url: str, model: str) -> None:
+        example = (
+            f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{model}", "messages": [{{"role": "user", '
+            f'"content": "Hello!"}}], "max_tokens": 32}}\''
+        )
+        print(f"kvrelay up ready: {url} (model {model}) | try: {example}", flush=True)
+
+    return Launcher(launch_config(a), on_ready=ready).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A parser with just `up` (usable before `kvrelay up` is wired into kvrelay.cli)."""
+    p = argparse.ArgumentParser(prog="kvrelay")
+    add_up_parser(p.add_subparsers(dest="command", required=True))
+    args = p.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,345 @@
+"""`kvrelay up`: start router + prefill + decode on one machine, health-gate, supervise, restart.
+
+Each child runs in its own process group with its own log file. Readiness is gated on `/health`
+(servers first, then the router). A child that exits unexpectedly is restarted on its same ports;
+SIGHUP co-restarts the whole stack; SIGINT/SIGTERM stops it (router first) and returns 0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import httpx
+
+log = logging.getLogger("kvrelay.launcher")
+
+PR_SET_PDEATHSIG = 1
+
+
+class LaunchError(Exception):
+    """The stack could not be brought up (a child died or did not become healthy)."""
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM it when the launcher dies, even by SIGKILL."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    host: str = "127.0.0.1"  # where the router listens
+    port: int = 8000  # router port (0: any free port)
+    server_host: str = "127.0.0.1"  # where prefill/decode listen
+    prefill_port: int = 0
+    decode_port: int = 0
+    transfer_port: int = 0  # decode's KV listener
+    log_dir: str = "kvrelay-logs"
+    prefill_gpus: str | None = None
+    decode_gpus: str | None = None
+    server_args: tuple[str, ...] = ()  # engine args for both servers
+    prefill_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    health_timeout_s: float = 600.0
+    stop_timeout_s: float = 20.0
+    max_backoff_s: float = 30.0
+
+
+@dataclass
+class ChildSpec:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    url: str
+    log_path: Path
+
+
+@dataclass
+class Child:
+    spec: ChildSpec
+    proc: subprocess.Popen | None = None
+    log_file: IO[str] | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    backoff_s: float = 0.0
+    due_at: float | None = None  # when a crashed child is to be restarted
+    healthy: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass
+class Flags:
+    stop: int = 0
+    hup: bool = False
+
+
+def _resolve_ports(cfg: LaunchConfig) -> tuple[int, int, int, int]:
+    pick = lambda p, h: p or free_port(h)  # noqa: E731
+    return (
+        pick(cfg.port, cfg.host),
+        pick(cfg.prefill_port, cfg.server_host),
+        pick(cfg.decode_port, cfg.server_host),
+        pick(cfg.transfer_port, cfg.server_host),
+    )
+
+
+def build_specs(cfg: LaunchConfig) -> list[ChildSpec]:
+    """Prefill, decode, router: argv, env (GPU assignment), URL and log file of each."""
+    rport, pport, dport, tport = _resolve_ports(cfg)
+    logs = Path(cfg.log_dir)
+    py = [sys.executable, "-m", "kvrelay.cli"]
+    purl, durl = f"http://{cfg.server_host}:{pport}", f"http://{cfg.server_host}:{dport}"
+
+    def server(role: str, port: int, gpus: str | None, extra: tuple[str, ...]) -> ChildSpec:
+        env = dict(os.environ)
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
+        argv = [*py, "serve", "--role", role, "--host", cfg.server_host, "--port", str(port)]
+        if role == "decode":
+            argv += ["--transfer-host", cfg.server_host, "--transfer-port", str(tport)]
+        argv += [*cfg.server_args, *extra]
+        url = f"http://{cfg.server_host}:{port}"
+        return ChildSpec(role, argv, env, url, logs / f"{role}.log")
+
+    router_argv = [
+        *py,
+        "router",
+        *("--host", cfg.host, "--port", str(rport), "--prefill", purl, "--decode", durl),
+        *cfg.router_args,
+    ]
+    rhost = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+    return [
+        server("prefill", pport, cfg.prefill_gpus, cfg.prefill_args),
+        server("decode", dport, cfg.decode_gpus, cfg.decode_args),
+        ChildSpec(
+            "router", router_argv, dict(os.environ), f"http://{rhost}:{rport}", logs / "router.log"
+        ),
+    ]
+
+
+class Launcher:
+    def __init__(
+        self,
+        cfg: LaunchConfig,
+        on_ready: Callable[[str, str], None] | None = None,
+        poll_s: float = 0.2,
+    ) -> None:
+        self.cfg = cfg
+        self.on_ready = on_ready
+        self.poll_s = poll_s
+        self.flags = Flags()
+        Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
+        self.children = [Child(s) for s in build_specs(cfg)]
+        self.by_name = {c.name: c for c in self.children}
+
+    @property
+    def router_url(self) -> str:
+        return self.by_name["router"].spec.url
+
+    # ---- signals -------------------------------------------------------------------------------
+
+    def install_signal_handlers(self) -> None:
+        def stop(signum, _frame) -> None:
+            self.flags.stop += 1
+            log.info("signal=%s action=stop count=%d", signal.Signals(signum).name, self.flags.stop)
+
+        def hup(_signum, _frame) -> None:
+            self.flags.hup = True
+            log.info("signal=SIGHUP action=co-restart")
+
+        signal.signal(signal.SIGINT, stop)
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGHUP, hup)
+
+    # ---- one child -------------------------------------------------------------------------------
+
+    def _spawn(self, c: Child) -> None:
+        c.log_file = open(c.spec.log_path, "a")  # noqa: SIM115 (kept open for the child's life)
+        c.log_file.write(f"--- kvrelay up: starting {c.name} at {time.ctime()} ---\n")
+        c.log_file.flush()
+        c.proc = subprocess.Popen(
+            c.spec.argv,
+            env=c.spec.env,
+            stdin=subprocess.DEVNULL,
+            stdout=c.log_file,
+            stderr=subprocess.STDOUT,
+            process_group=0,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+        c.started_at, c.healthy, c.due_at = time.monotonic(), False, None
+        log.info(
+            "child=%s pid=%d url=%s log=%s restarts=%d",
+            c.name,
+            c.proc.pid,
+            c.spec.url,
+            c.spec.log_path,
+            c.restarts,
+        )
+
+    def _stop(self, c: Child, timeout: float) -> None:
+        """SIGTERM the child (it stops its own engine), wait, then SIGKILL its whole group."""
+        p = c.proc
+        if p is None:
+            return
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("child=%s pid=%d action=kill reason=stop_timeout", c.name, p.pid)
+        self._kill_group(p.pid)
+        p.wait()
+        if c.log_file is not None:
+            c.log_file.close()
+            c.log_file = None
+        c.proc, c.healthy = None, False
+        log.info("child=%s pid=%d stopped rc=%s", c.name, p.pid, p.returncode)
+
+    @staticmethod
+    def _kill_group(pgid: int) -> None:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _is_healthy(self, c: Child) -> bool:
+        try:
+            return httpx.get(c.spec.url + "/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _wait_healthy(self, group: list[Child]) -> None:
+        deadline = time.monotonic() + self.cfg.health_timeout_s
+        while not all(c.healthy for c in group):
+            if self.flags.stop:
+                return
+            for c in group:
+                if c.healthy:
+                    continue
+                assert c.proc is not None
+                if c.proc.poll() is not None:
+                    raise LaunchError(
+                        f"{c.name} exited with code {c.proc.returncode} before it was healthy; "
+                        f"see {c.spec.log_path}"
+                    )
+                if self._is_healthy(c):
+                    c.healthy = True
+                    log.info("child=%s healthy pid=%d", c.name, c.proc.pid)
+            if time.monotonic() > deadline:
+                late = [c.name for c in group if not c.healthy]
+                raise LaunchError(f"not healthy within {self.cfg.health_timeout_s}s: {late}")
+            time.sleep(self.poll_s)
+
+    # ---- the stack ------------------------------------------------------------------------------
+
+    def start_all(self) -> None:
+        """Servers first (in parallel), then the router; returns once all are healthy."""
+        servers = [c for c in self.children if c.name != "router"]
+        for c in servers:
+            self._spawn(c)
+        self._wait_healthy(servers)
+        if self.flags.stop:
+            return
+        router = self.by_name["router"]
+        self._spawn(router)
+        self._wait_healthy([router])
+        if not self.flags.stop:
+            self._announce()
+
+    def stop_all(self) -> None:
+        for c in sorted(self.children, key=lambda c: c.name != "router"):
+            self._stop(c, self.cfg.stop_timeout_s)
+
+    def _announce(self) -> None:
+        model = "?"
+        try:
+            model = httpx.get(self.by_name["decode"].spec.url + "/pd/info", timeout=5).json()[
+                "model"
+            ]
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        log.info("stack ready router=%s model=%s", self.router_url, model)
+        if self.on_ready is not None:
+            self.on_ready(self.router_url, model)
+
+    def supervise_once(self) -> None:
+        """Notice crashed children, schedule and perform their restarts, health-gate them."""
+        now = time.monotonic()
+        for c in self.children:
+            if c.proc is not None and c.proc.poll() is not None:
+                rc = c.proc.returncode
+                uptime = now - c.started_at
+                self._kill_group(c.proc.pid)  # an orphaned engine would hold the GPU and ports
+                if c.log_file is not None:
+                    c.log_file.close()
+                    c.log_file = None
+                c.proc, c.healthy = None, False
+                c.backoff_s = (
+                    0.5 if uptime > 60 else min(max(c.backoff_s * 2, 1.0), self.cfg.max_backoff_s)
+                )
+                c.due_at = now + c.backoff_s
+                log.warning(
+                    "child=%s exited rc=%s uptime_s=%.1f action=restart in_s=%.1f restarts=%d",
+                    c.name,
+                    rc,
+                    uptime,
+                    c.backoff_s,
+                    c.restarts + 1,
+                )
+            if c.proc is None and c.due_at is not None and now >= c.due_at:
+                c.restarts += 1
+                self._spawn(c)
+            if c.proc is not None and not c.healthy and self._is_healthy(c):
+                c.healthy = True
+                log.info("child=%s healthy pid=%d restarts=%d", c.name, c.proc.pid, c.restarts)
+
+    def run(self) -> int:
+        """Start, supervise until SIGINT/SIGTERM, stop. 0 on a clean stop, 1 if startup failed."""
+        self.install_signal_handlers()
+        try:
+            try:
+                self.start_all()
+            except LaunchError as e:
+                log.error("startup failed error=%s", e)
+                return 1
+            while not self.flags.stop:
+                if self.flags.hup:
+                    self.flags.hup = False
+                    log.info("co-restart begin")
+                    self.stop_all()
+                    try:
+                        self.start_all()
+                    except LaunchError as e:
+                        log.error("co-restart failed error=%s", e)
+                        return 1
+                    continue
+                self.supervise_once()
+                time.sleep(self.poll_s)
+            return 0
+        finally:
+            log.info("shutdown begin")
+            self.stop_all()
+            log.info("shutdown done")

@@ -1,0 +1,224 @@
+"""`kvrelay up` with real processes: ready line, a request through the router, a SIGKILLed decode
+server restarted by the supervisor (requests succeed again), and a clean Ctrl-C with no child left.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from kvrelay.ops.cli import _gpus
+from kvrelay.ops.launcher import LaunchConfig, build_specs
+
+UP = "import sys; from kvrelay.ops.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def _descendants(pid: int) -> set[int]:
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        kids.setdefault(ppid, []).append(int(d))
+    out, todo = set(), [pid]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            out.add(k)
+            todo.append(k)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Up:
+    """`kvrelay up` as a subprocess whose output lines are collected by a reader thread."""
+
+    def __init__(self, argv: list[str]) -> None:
+        env = dict(os.environ, KVRELAY_CPU_THREADS="1")
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        self.lines: list[str] = []
+        self._q: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            self._q.put(line)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                line = self._q.get(timeout=0.5)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            if m := re.search(pattern, line):
+                return m
+        raise AssertionError(f"no line matching {pattern!r}; output:\n{''.join(self.lines)}")
+
+    def pid_of(self, name: str) -> int:
+        pids = [int(m[1]) for ln in self.lines if (m := re.search(rf"child={name} pid=(\d+)", ln))]
+        return pids[-1]
+
+
+def _up(log_dir: Path, *args: str) -> Up:
+    return Up([sys.executable, "-c", UP, "up", "--port", "0", "--log-dir", str(log_dir), *args])
+
+
+def _chat(url: str) -> str:
+    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    r = c.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert r.choices[0].finish_reason in ("length", "stop")
+    return r.choices[0].message.content or ""
+
+
+def test_build_specs_ports_gpus_and_logs(tmp_path):
+    cfg = LaunchConfig(
+        port=0,
+        transfer_port=45678,
+        log_dir=str(tmp_path),
+        prefill_gpus=_gpus("0-3"),
+        decode_gpus=_gpus("4,5"),
+        server_args=("--model", "smollm2"),
+    )
+    p, d, r = build_specs(cfg)
+    assert (p.name, d.name, r.name) == ("prefill", "decode", "router")
+    assert p.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3" and d.env["CUDA_VISIBLE_DEVICES"] == "4,5"
+    assert d.argv[d.argv.index("--transfer-port") + 1] == "45678"
+    assert "--transfer-port" not in p.argv and p.argv[-2:] == ["--model", "smollm2"]
+    assert r.argv[r.argv.index("--prefill") + 1] == p.url
+    assert r.argv[r.argv.index("--decode") + 1] == d.url
+    assert {s.log_path.name for s in (p, d, r)} == {"prefill.log", "decode.log", "router.log"}
+
+
+def test_up_serves_restarts_decode_and_stops_cleanly(tmp_path):
+    up = _up(
+        tmp_path, "--model", "smollm2", "--max-total-tokens", "8192", "--health-timeout", "120"
+    )
+    try:
+        url = up.wait_for(r"kvrelay up ready: (http://\S+) .*\| try: curl ", 150)[1]
+        assert _chat(url)
+        for name in ("prefill", "decode", "router"):
+            assert (tmp_path / f"{name}.log").stat().st_size > 0
+
+        decode = up.pid_of("decode")
+        os.kill(decode, signal.SIGKILL)
+        up.wait_for(r"child=decode exited rc=-9 .* restarts=1", 15)
+        up.wait_for(r"child=decode pid=\d+ .*restarts=1", 15)
+        assert up.pid_of("decode") != decode
+        deadline, last = time.time() + 90, None
+        while time.time() < deadline:
+            try:
+                assert _chat(url)
+                break
+            except openai.APIError as e:
+                last = e
+                time.sleep(1)
+        else:
+            pytest.fail(f"no successful request after the decode restart: {last}")
+
+        children = _descendants(up.proc.pid)
+        assert children
+        up.proc.send_signal(signal.SIGINT)
+        assert up.proc.wait(timeout=60) == 0, "".join(up.lines)
+        deadline = time.time() + 5
+        while (left := [p for p in children if _alive(p)]) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not left, f"children still alive: {left}"
+        assert any("shutdown done" in ln for ln in up.lines)
+    finally:
+        if up.proc.poll() is None:
+            up.proc.send_signal(signal.SIGINT)
+            try:
+                up.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                up.proc.kill()
+
+
+def _fake_up(log_dir: Path) -> Up:
+    return Up([sys.executable, str(Path(__file__).with_name("fake_stack.py")), str(log_dir)])
+
+
+def test_sighup_co_restarts_all_and_crashes_are_restarted(tmp_path):
+    up = _fake_up(tmp_path)
+    try:
+        up.wait_for(r"kvrelay up ready: http://\S+ \(model fake\)", 30)
+        first = {n: up.pid_of(n) for n in ("prefill", "decode", "router")}
+
+        os.kill(first["router"], signal.SIGKILL)
+        up.wait_for(r"child=router exited rc=-9 .*restarts=1", 10)
+        up.wait_for(r"child=router healthy pid=\d+ restarts=1", 10)
+
+        up.proc.send_signal(signal.SIGHUP)
+        up.wait_for(r"co-restart begin", 10)
+        up.wait_for(r"kvrelay up ready: ", 30)
+        second = {n: up.pid_of(n) for n in ("prefill", "decode", "router")}
+        assert all(second[n] != first[n] for n in first)
+        assert not any(_alive(p) for p in first.values())
+
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(timeout=30) == 0
+        assert not any(_alive(p) for p in second.values())
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
+
+
+def test_a_child_that_dies_at_startup_fails_the_launch(tmp_path):
+    up = _up(tmp_path, "--model", "/nonexistent/model.gguf", "--health-timeout", "60")
+    try:
+        assert up.proc.wait(timeout=90) == 1
+        assert any("startup failed" in ln for ln in up.lines), "".join(up.lines)
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
+
+
+def test_children_die_with_a_killed_launcher(tmp_path):
+    up = _fake_up(tmp_path)
+    try:
+        up.wait_for(r"kvrelay up ready: ", 30)
+        pids = [up.pid_of(n) for n in ("prefill", "decode", "router")]
+        up.proc.kill()
+        up.proc.wait()
+        deadline = time.time() + 10
+        while any(_alive(p) for p in pids) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids)
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
