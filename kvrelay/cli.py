@@ -6,7 +6,6 @@ import argparse
 import sys
 
 from kvrelay.bench.cli import add_bench_parser
-from kvrelay.ops.cli import add_up_parser
 from kvrelay.config import (
     CacheConfig,
     DisaggConfig,
@@ -16,6 +15,7 @@ from kvrelay.config import (
     ServerConfig,
     env_help,
 )
+from kvrelay.ops.cli import add_up_parser
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

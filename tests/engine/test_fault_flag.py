@@ -11,9 +11,17 @@ PROMPTS = [[1, 2, 3, 4], [50, 60, 70, 80, 90]]
 
 
 def _engine(p: float, k: int) -> Engine:
-    return Engine(EngineConfig(model="qwen3-tiny", load_format="dummy", device="cpu", dtype="float32",
-                               cache=CacheConfig(max_total_tokens=512),
-                               fault_swap_token_p=p, fault_swap_token_min_batch=k))
+    return Engine(
+        EngineConfig(
+            model="qwen3-tiny",
+            load_format="dummy",
+            device="cpu",
+            dtype="float32",
+            cache=CacheConfig(max_total_tokens=512),
+            fault_swap_token_p=p,
+            fault_swap_token_min_batch=k,
+        )
+    )
 
 
 def _tokens(outs):
