@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages needed to hold num_tokens tokens."""
+    return -(-num_tokens // page_size)
+
+
 class OutOfPages(Exception):
     pass
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvrelay.cache.page_allocator import pages_for
 from kvrelay.disagg import protocol as P
 from kvrelay.disagg.agent import Event, TransferAgent
 from kvrelay.disagg.protocol import TState
@@ -23,10 +24,6 @@ from kvrelay.disagg.transport.base import Connection
 from kvrelay.engine.messages import RequestOutput, TokenLogprob
 
 log = logging.getLogger("kvrelay.disagg")
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass
@@ -101,7 +98,7 @@ class DecodeReceiver(TransferAgent):
         # Back-pressure: admit only what fits next to what running and reserved requests may still need.
         committed = sum(sched._future_pages(r) for r in sched.running + list(sched.waiting))
         committed += sum(sched._future_pages(x.req) for x in self.transfers.values())
-        need_now = _cdiv(len(req.prompt_ids), eng.runner.page_size)
+        need_now = pages_for(len(req.prompt_ids), eng.runner.page_size)
         need_all = sched._future_pages(req)
         free = alloc.num_free - committed
         if need_all > free:
@@ -236,7 +233,7 @@ class DecodeReceiver(TransferAgent):
             problem = f"token range [{h.token_start}, {h.token_end}) does not cover the prompt [0, {n_tok})"
         if problem:
             return self._fail(t, P.Cause.IDENTITY, problem)
-        n_pages = _cdiv(n_tok, ps)
+        n_pages = pages_for(n_tok, ps)
         shape = (2, h.layer_end - h.layer_start, n_pages, ps, kv.shape[4], kv.shape[5])
         expected = kv.element_size() * 2 * shape[1] * n_pages * ps * shape[4] * shape[5]
         if ev.payload is None or ev.payload.nbytes != expected or h.nbytes != expected:

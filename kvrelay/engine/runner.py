@@ -8,7 +8,7 @@ import os
 import torch
 
 from kvrelay.cache.kv_pool import KVPool, bytes_per_token
-from kvrelay.cache.page_allocator import PageAllocator
+from kvrelay.cache.page_allocator import PageAllocator, pages_for
 from kvrelay.config import EngineConfig
 from kvrelay.engine.batch import ForwardBatch, prepare
 from kvrelay.engine.scheduler import ScheduledRequest
@@ -30,10 +30,6 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class ModelRunner:
@@ -64,7 +60,7 @@ class ModelRunner:
         if self.device.type == "cuda" and cfg.cuda_graphs:
             from kvrelay.engine.cuda_graphs import CudaGraphRunner
 
-            max_pages = _cdiv(self.max_model_len, self.page_size)
+            max_pages = pages_for(self.max_model_len, self.page_size)
             self.graphs = CudaGraphRunner(
                 self.model,
                 self.kv.layers,
@@ -88,7 +84,7 @@ class ModelRunner:
     def _num_pages(self) -> int:
         per_token = bytes_per_token(self.model_cfg, self.dtype)
         if self.cfg.cache.max_total_tokens:
-            return _cdiv(self.cfg.cache.max_total_tokens, self.page_size) + 1
+            return pages_for(self.cfg.cache.max_total_tokens, self.page_size) + 1
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             # Leave room for activations of a full prefill step and for the decode graphs' logits.

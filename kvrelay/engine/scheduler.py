@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kvrelay.cache.page_allocator import PageAllocator
+from kvrelay.cache.page_allocator import PageAllocator, pages_for
 from kvrelay.config import SchedulerConfig
 from kvrelay.engine.request import Request, Status
 
@@ -25,10 +25,6 @@ class ScheduledRequest:
     def samples(self) -> bool:
         """True when this chunk reaches the end of the known tokens, so a new token is sampled."""
         return self.req.num_computed + self.num_new_tokens == self.req.num_tokens
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class Scheduler:
@@ -68,7 +64,7 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     def _pages_for(self, num_tokens: int) -> int:
-        return _cdiv(num_tokens, self.page_size)
+        return pages_for(num_tokens, self.page_size)
 
     def _future_pages(self, req: Request) -> int:
         """Pages this request may still need: the rest of its prompt and its reserved output."""

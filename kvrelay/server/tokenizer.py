@@ -37,7 +37,6 @@ class IncrementalDetokenizer:
         self.ids = list(prompt_ids[-6:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(
@@ -46,20 +45,19 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: list[int]) -> str:
         self.ids += token_ids
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            new = full[len(prefix) :]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            self.text += new
-            return new
-        return ""
+        return self._advance(flush=False)
 
     def flush(self) -> str:
         """At the end of a request: whatever was held back, even an incomplete character."""
+        return self._advance(flush=True)
+
+    def _advance(self, flush: bool) -> str:
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
-        new = full[len(prefix) :]
-        self.prefix_offset = self.read_offset = len(self.ids)
-        self.text += new
-        return new
+        if not flush and (len(full) <= len(prefix) or full.endswith("\ufffd")):
+            return ""  # nothing new yet, or a UTF-8 character is still incomplete
+        if flush:
+            self.prefix_offset = self.read_offset = len(self.ids)
+        else:
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix) :]
