@@ -10,6 +10,8 @@ import torch
 
 from kvrelay.config import ModelConfig
 from kvrelay.layers.rope import RotaryEmbedding
+from kvrelay.models.deepseek_v4.config import PRESETS as DSV4_PRESETS
+from kvrelay.models.deepseek_v4.config import DeepseekV4Config
 from kvrelay.models.presets import PRESETS
 from kvrelay.models.registry import model_class
 from kvrelay.weights import gguf_reader, hf_dir
@@ -34,23 +36,14 @@ class ModelSource:
     name: str  # the served model name
     kind: str  # gguf | hf | dummy
     path: str | None  # gguf file or HF directory
-    config: ModelConfig
+    config: ModelConfig | DeepseekV4Config
     tokenizer_dir: str
     tokenizer_gguf: str | None  # gguf file name inside tokenizer_dir
 
 
 def resolve(model: str, load_format: str = "auto") -> ModelSource:
     if load_format == "dummy":
-        if model not in PRESETS:
-            raise ValueError(f"unknown dummy preset {model!r} (choose from {sorted(PRESETS)})")
-        # Dummy models borrow the embedded tokenizer (their ids are random anyway), if it is installed.
-        try:
-            g = embedded_gguf()
-        except FileNotFoundError:
-            return ModelSource(model, "dummy", None, PRESETS[model], "", None)
-        return ModelSource(
-            model, "dummy", None, PRESETS[model], os.path.dirname(g), os.path.basename(g)
-        )
+        return _resolve_dummy(model)
     path = embedded_gguf() if model == EMBEDDED else model
     if path.endswith(".gguf") and os.path.isfile(path):
         reader = gguf_reader.open_gguf(path)
@@ -69,6 +62,27 @@ def resolve(model: str, load_format: str = "auto") -> ModelSource:
     raise FileNotFoundError(
         f"--model {model!r} is neither {EMBEDDED!r}, a .gguf file, an HF directory, nor a dummy preset"
     )
+
+
+def _resolve_dummy(model: str) -> ModelSource:
+    if model not in PRESETS and model not in DSV4_PRESETS:
+        known = sorted(PRESETS) + sorted(DSV4_PRESETS)
+        raise ValueError(f"unknown dummy preset {model!r} (choose from {known})")
+    cfg = PRESETS.get(model) or DSV4_PRESETS[model]
+    # Dummy models borrow the embedded tokenizer (their ids are random anyway), if it is installed.
+    try:
+        g = embedded_gguf()
+    except FileNotFoundError:
+        return ModelSource(model, "dummy", None, cfg, "", None)
+    if model in DSV4_PRESETS:
+        # Served with the borrowed tokenizer, the model must cover its ids and stop on its EOS.
+        tok = gguf_reader.read_config(gguf_reader.open_gguf(g))
+        cfg = cfg.with_(
+            vocab_size=max(cfg.vocab_size, tok.vocab_size),
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_ids[0] if tok.eos_token_ids else None,
+        )
+    return ModelSource(model, "dummy", None, cfg, os.path.dirname(g), os.path.basename(g))
 
 
 def build_model(

@@ -97,6 +97,17 @@ class DeepseekV4Config:
                 raise ValueError("QAT simulation needs a power-of-two index_head_dim >= 32")
 
     # -- derived -------------------------------------------------------------------------
+    # The names the engine reads from any model config.
+    architecture = "DeepseekV4ForCausalLM"
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return () if self.eos_token_id is None else (self.eos_token_id,)
+
+    @property
+    def num_layers(self) -> int:
+        return self.num_hidden_layers
+
     @property
     def nope_head_dim(self) -> int:
         return self.head_dim - self.qk_rope_head_dim
