@@ -103,7 +103,7 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work or bool(self._pending)
 
-    def stats(self, batch_size: int = 0, num_tokens: int = 0) -> EngineStats:
+    def stats(self, batch_size: int = 0, num_tokens: int = 0, num_prefill: int = 0) -> EngineStats:
         a = self.runner.allocator
         return EngineStats(
             num_running=len(self.scheduler.running),
@@ -114,6 +114,7 @@ class Engine:
             step_ms=self.last_step_ms,
             batch_size=batch_size,
             num_tokens=num_tokens,
+            num_prefill=num_prefill,
         )
 
     def _fail(self, req: Request, reason: str, error: str | None = None) -> None:
@@ -130,6 +131,8 @@ class Engine:
         outputs, self._pending = self._pending, []
         if not batch:
             return StepOutputs(outputs, self.stats())
+        # Prefill: a chunk of several tokens, or the first token of a request (step telemetry).
+        num_prefill = sum(1 for s in batch if s.num_new_tokens > 1 or not s.req.output_ids)
         try:
             logits = self.runner.forward(batch)
             sampling = [s.req for s in batch if s.samples]
@@ -171,7 +174,8 @@ class Engine:
                 self.scheduler.finish(req, reason)
             outputs.append(out)
         self.last_step_ms = (time.perf_counter() - t0) * 1e3
-        return StepOutputs(outputs, self.stats(len(batch), sum(s.num_new_tokens for s in batch)))
+        num_tokens = sum(s.num_new_tokens for s in batch)
+        return StepOutputs(outputs, self.stats(len(batch), num_tokens, num_prefill))
 
     def _fault_active(self, batch_size: int) -> bool:
         return self.cfg.fault_swap_token_p > 0 and batch_size > self.cfg.fault_swap_token_min_batch

@@ -62,6 +62,7 @@ class EngineStats(msgspec.Struct):
     step_ms: float
     batch_size: int
     num_tokens: int
+    num_prefill: int = 0  # sequences of the step that were prefill chunks (the rest decoded)
 
 
 class StepOutputs(msgspec.Struct, tag=True):
