@@ -138,12 +138,22 @@ ENV_KNOBS: dict[str, EnvKnob] = {
         EnvKnob(
             "KVRELAY_CPU_THREADS", "0", "torch threads in the engine on CPU (0: torch default)"
         ),
+        EnvKnob(
+            "KVRELAY_LEDGER",
+            "~/.kvrelay/ledger.db",
+            "SQLite run ledger of bench/verify/ab/repro (--ledger overrides; 'off': record nothing)",
+        ),
     )
 }
 
 
 def env(name: str) -> str:
     return ENV_KNOBS[name].get()
+
+
+def env_snapshot() -> dict[str, str]:
+    """The value of every knob as this process sees it (recorded with benchmark runs)."""
+    return {name: k.get() for name, k in ENV_KNOBS.items()}
 
 
 def env_help() -> str:

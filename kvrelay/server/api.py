@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes: chat, completions, models, health, metrics."""
+"""OpenAI-compatible routes: chat, completions, models, health, metrics; and read-only
+introspection: server_info (configuration and provenance) and telemetry/steps."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import logging
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import asdict
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -14,7 +16,8 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 from pydantic import ValidationError
 
-from kvrelay.config import ServerConfig, env
+from kvrelay import provenance
+from kvrelay.config import ServerConfig, env, env_snapshot
 from kvrelay.disagg.protocol import PDParams
 from kvrelay.engine.messages import SamplingParams
 from kvrelay.server import openai_format as fmt
@@ -23,6 +26,7 @@ from kvrelay.server.errors import APIError, bad_request, unavailable
 from kvrelay.server.generation import Delta, Generation
 from kvrelay.server.metrics import Metrics
 from kvrelay.server.schemas import ChatCompletionRequest, CompletionRequest
+from kvrelay.server.telemetry import StepTelemetry
 from kvrelay.server.tokenizer import apply_chat_template, load_tokenizer
 from kvrelay.weights.loader import resolve
 
@@ -36,8 +40,36 @@ class ServerState:
         self.model_name = cfg.served_model_name or self.src.name
         self.metrics = Metrics()
         self.client = EngineClient(cfg.engine)
-        self.client.on_step = self.metrics.on_step
+        self.telemetry = StepTelemetry()
+        self.client.on_step = self._on_step
         self.tokenizer = None
+        self._info: dict | None = None
+
+    def _on_step(self, msg) -> None:
+        self.metrics.on_step(msg)
+        self.telemetry.on_step(msg)
+
+    def info(self) -> dict:
+        """Configuration and provenance; computed once (none of it changes while serving)."""
+        if self._info is None:
+            r = self.client.ready
+            self._info = {
+                "model": self.model_name,
+                "config": asdict(self.cfg),
+                "engine": {
+                    "max_model_len": r.max_model_len,
+                    "max_total_tokens": r.max_total_tokens,
+                    "page_size": r.page_size,
+                    "device": r.device,
+                    "dtype": r.dtype,
+                    "role": r.role,
+                },
+                "gpu": provenance.device_name(r.device),
+                "versions": provenance.versions(),
+                "git": provenance.git_commit(),
+                "env": env_snapshot(),
+            }
+        return self._info
 
     @property
     def max_model_len(self) -> int:
@@ -106,6 +138,19 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             "transfer_addr": r.transfer_addr,
             "model": state.model_name,
         }
+
+    @app.get("/server_info")
+    async def server_info():
+        if state.client.ready is None:
+            raise unavailable("engine not ready")
+        return await asyncio.to_thread(state.info)  # git and device lookups block
+
+    @app.get("/telemetry/steps")
+    async def telemetry_steps(since: int = 0, limit: int | None = None):
+        """Engine steps numbered `since` and later: batch size, tokens, step_ms, prefill count."""
+        if since < 0 or (limit is not None and limit < 0):
+            raise bad_request("since and limit must not be negative")
+        return state.telemetry.since(since, limit)
 
     @app.get("/metrics")
     async def metrics():
