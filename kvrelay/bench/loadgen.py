@@ -1,6 +1,7 @@
 """The load generator: streams requests to an OpenAI-compatible server over HTTP and times every
-chunk; runs closed-loop concurrency levels and open-loop (Poisson/gamma) request-rate levels; and
-brackets each level with scrapes of the server's /metrics so its counters can be checked."""
+chunk; runs closed-loop concurrency levels and open-loop (Poisson/gamma) request-rate levels;
+brackets each level with scrapes of the server's /metrics so its counters can be checked; and reads
+the engine steps each level caused (/telemetry/steps) to fit the step-time model."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from kvrelay.bench import metrics as bm
+from kvrelay.bench import stepfit
 from kvrelay.bench.metrics import RequestRecord
 from kvrelay.bench.workloads import (
     CHAT,
@@ -279,6 +281,17 @@ async def scrape(client: httpx.AsyncClient, base_url: str) -> bm.Samples | None:
     return bm.parse_prometheus(r.text) if r.status_code == 200 else None
 
 
+async def steps_since(client: httpx.AsyncClient, base_url: str, seq: int | None) -> dict | None:
+    """The server's step telemetry from `seq` on (None: only the cursor, as `head`); None if the
+    server keeps none."""
+    params = {"limit": 0} if seq is None else {"since": seq}
+    try:
+        r = await client.get(base_url + "/telemetry/steps", params=params, timeout=30)
+        return r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
 async def resolve_model(client: httpx.AsyncClient, base_url: str) -> str:
     try:
         r = await client.get(base_url + "/v1/models", timeout=10)
@@ -372,9 +385,11 @@ async def run_sweep(cfg: BenchConfig, progress: Progress | None = None) -> dict:
         cal, preamble = await calibrate(client, base, model, wl.endpoint, cfg.seed)
         if cfg.num_warmups:
             await _warm_up(client, base, model, cfg, cal, preamble)
-        levels = []
+        levels, steps = [], []
         for i, level in enumerate(cfg.levels()):
-            levels.append(await _run_level(client, base, model, cfg, cal, i, level, progress))
+            out, level_steps = await _run_level(client, base, model, cfg, cal, i, level, progress)
+            levels.append(out)
+            steps += level_steps
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": "kvrelay.bench",
@@ -391,6 +406,8 @@ async def run_sweep(cfg: BenchConfig, progress: Progress | None = None) -> dict:
         "environment": _environment(),
         "levels": levels,
         "totals": _totals(levels),
+        # Across all levels: the batch sizes of a sweep span what one level cannot.
+        "step_fit": stepfit.fit_step_time(steps) if steps else None,
     }
 
 
@@ -433,7 +450,8 @@ async def _run_level(
     index: int,
     level: float,
     progress: Progress,
-) -> dict:
+) -> tuple[dict, list[dict]]:
+    """The level's JSON and the engine steps it caused (empty if the server keeps none)."""
     # A fresh seed per level: a prefix cache must not serve one level from the previous one's prompts.
     seed = cfg.seed + 1000 * (index + 1)
     sessions = build_sessions(cfg.workload, cfg.requests_for(level), seed, cal)
@@ -441,6 +459,7 @@ async def _run_level(
     label = f"concurrency {int(level)}" if cfg.mode == "closed" else f"rate {level:g}/s"
     records: list[RequestRecord] = []
     before = await scrape(client, base)
+    cursor = await steps_since(client, base, None)
     peaks = GaugePeaks()
     poller = (
         asyncio.create_task(peaks.poll(client, base, cfg.metrics_interval_s))
@@ -465,6 +484,8 @@ async def _run_level(
             poller.cancel()
             await asyncio.gather(poller, return_exceptions=True)
     after = await scrape(client, base)
+    telemetry = None if cursor is None else await steps_since(client, base, cursor["head"])
+    steps = telemetry["steps"] if telemetry else []
     out = {
         "mode": cfg.mode,
         "concurrency": int(level) if cfg.mode == "closed" else cfg.max_concurrency,
@@ -487,9 +508,12 @@ async def _run_level(
             "model": sum(s.model_tool_calls for s in agents),
             "scripted": sum(s.scripted_tool_calls for s in agents),
         }
+    out["step_fit"] = stepfit.fit_step_time(steps)
+    out["steps_dropped"] = telemetry["dropped"] if telemetry else None
     if cfg.save_detailed:
         out["requests"] = [_detail(r) for r in records]
-    return out
+        out["steps"] = steps
+    return out, steps
 
 
 def _agree(level: dict) -> bool | None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import IO
 
 from kvrelay.bench.metrics import percentile_key
+from kvrelay.bench.stepfit import describe
 
 LATENCIES = (
     ("ttft_ms", "TTFT"),
@@ -67,6 +68,13 @@ def error_lines(result: dict) -> list[str]:
     ]
 
 
+def step_fit_line(result: dict) -> list[str]:
+    """The step-time model fitted over the sweep, if the server reported its steps."""
+    if all(lv.get("steps_dropped") is None for lv in result["levels"]):
+        return []  # a server without /telemetry/steps
+    return [describe(result.get("step_fit"))]
+
+
 def print_table(result: dict, file: IO[str]) -> None:
     """The summary table on a terminal (rich if installed, else aligned plain text), then the
     failures."""
@@ -84,7 +92,7 @@ def print_table(result: dict, file: IO[str]) -> None:
         file.write(title + "\n")
         for r in [header, *rows]:
             file.write("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) + "\n")
-        file.writelines(line + "\n" for line in error_lines(result))
+        file.writelines(line + "\n" for line in step_fit_line(result) + error_lines(result))
         return
     t = Table(title=title)
     for i, h in enumerate(header):
@@ -95,6 +103,8 @@ def print_table(result: dict, file: IO[str]) -> None:
     # Off a terminal (a pipe, a log) rich would wrap at 80 columns; the table wants more.
     console = Console(file=file, width=None if tty else 180)
     console.print(t)
+    for line in step_fit_line(result):
+        console.print(Text(line))
     for line in error_lines(result):
         console.print(Text(line, style="red"))
 

@@ -119,6 +119,11 @@ def test_closed_loop_sweep(server, tmp_path):
         assert lv["server_peaks"]["num_requests_running"] <= lv["concurrency"]
         assert lv["good_requests"] == n  # SLOs of ten minutes
         assert lv["server"]["engine_steps"] > 0 and lv["server"]["engine_step_mean_ms"] > 0
+    # The step-time model, fitted over the decode steps of both levels (batch 1 and up to 4).
+    fit = r["step_fit"]
+    assert fit["n"] >= 2 * n * (out_len - 1) // 4 and fit["batch_min"] == 1
+    assert fit["batch_max"] > 1 and fit["a_ms"] is not None and fit["b_ms_per_seq"] is not None
+    assert all(lv["step_fit"]["n"] > 0 and lv["steps_dropped"] == 0 for lv in r["levels"])
     plots = [tmp_path / "run-latency.png", tmp_path / "run-throughput.png"]
     assert r["plots"] == [str(p) for p in plots]
     for p in plots:
