@@ -21,13 +21,15 @@ from kvrelay.config import ServerConfig, env, env_snapshot
 from kvrelay.disagg.protocol import PDParams
 from kvrelay.engine.messages import SamplingParams
 from kvrelay.server import openai_format as fmt
+from kvrelay.server.chat_format import ChatFormat
+from kvrelay.server.chat_output import ChatOutputParser, delta_dict, message_dict
 from kvrelay.server.engine_client import EngineClient, EngineDead
 from kvrelay.server.errors import APIError, bad_request, unavailable
 from kvrelay.server.generation import Delta, Generation
 from kvrelay.server.metrics import Metrics
 from kvrelay.server.schemas import ChatCompletionRequest, CompletionRequest
 from kvrelay.server.telemetry import StepTelemetry
-from kvrelay.server.tokenizer import apply_chat_template, load_tokenizer
+from kvrelay.server.tokenizer import load_tokenizer
 from kvrelay.weights.loader import resolve
 
 log = logging.getLogger("kvrelay.api")
@@ -171,18 +173,19 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
     async def chat(request: Request):
         req = await _parse(request, ChatCompletionRequest)
         _check_common(req)
+        chat_format = ChatFormat(state.src.config.architecture, state.tokenizer)
         try:
-            messages = [_message_dict(m) for m in req.messages]
-            prompt_ids = apply_chat_template(state.tokenizer, messages, req.tools)
+            prompt_ids = chat_format.prompt_ids(req)
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
         gen = _start(req, prompt_ids)
         rid, created = gen.rid, int(gen.created)
+        parser = chat_format.output_parser(req, f"call_{uuid.uuid4().hex[:16]}_")
         if req.stream:
             return _stream(
                 request,
                 gen,
-                lambda d, first: _chat_chunk(rid, created, d, first, req),
+                lambda d, first: _chat_chunk(rid, created, d, first, req, parser),
                 rid,
                 created,
                 "chat.completion.chunk",
@@ -190,10 +193,14 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             )
         deltas = await _collect(request, gen)
         text = "".join(d.text for d in deltas)
+        message = {"role": "assistant", "content": text}
+        if parser is not None:
+            message = message_dict(parser.step(text, final=True), parser.reasoning)
+            _log_parse_errors(rid, parser)
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": deltas[-1].finish_reason,
+            "message": message,
+            "finish_reason": _finish_reason(deltas[-1].finish_reason, parser),
             "logprobs": None,
         }
         if req.logprobs:
@@ -358,7 +365,9 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             first = True
             try:
                 async for d in gen.deltas():
-                    yield f"data: {json.dumps(make_chunk(d, first))}\n\n"
+                    chunk = make_chunk(d, first)
+                    if chunk is not None:  # None: nothing to say yet (a parser holds text)
+                        yield f"data: {json.dumps(chunk)}\n\n"
                     first = False
             except (APIError, EngineDead) as e:
                 msg = e.message if isinstance(e, APIError) else str(e)
@@ -379,9 +388,21 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    def _chat_chunk(rid, created, d: Delta, first: bool, req) -> dict:
-        delta = {"role": "assistant", "content": d.text} if first else {"content": d.text}
-        choice = {"index": 0, "delta": delta, "finish_reason": d.finish_reason, "logprobs": None}
+    def _chat_chunk(
+        rid, created, d: Delta, first: bool, req, parser: ChatOutputParser | None
+    ) -> dict | None:
+        if parser is None:
+            delta = {"content": d.text}
+        else:
+            delta = delta_dict(parser.step(d.text, final=d.finish_reason is not None))
+            if d.finish_reason:
+                _log_parse_errors(rid, parser)
+            if not (delta or first or d.finish_reason or (req.logprobs and d.token_ids)):
+                return None
+        if first:
+            delta = {"role": "assistant", **delta}
+        reason = _finish_reason(d.finish_reason, parser)
+        choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
         if req.logprobs and d.token_ids:
             choice["logprobs"] = fmt.chat_logprobs(state.tokenizer, [d])
         return {
@@ -413,15 +434,13 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
     return app
 
 
-def _message_dict(m) -> dict:
-    d = {"role": m.role, "content": m.text() or ""}
-    if m.tool_calls:
-        d["tool_calls"] = m.tool_calls
-    if m.tool_call_id:
-        d["tool_call_id"] = m.tool_call_id
-    if m.name:
-        d["name"] = m.name
-    return d
+def _finish_reason(reason: str | None, parser: ChatOutputParser | None) -> str | None:
+    return "tool_calls" if reason and parser is not None and parser.tool_calls else reason
+
+
+def _log_parse_errors(rid: str, parser: ChatOutputParser) -> None:
+    if parser.errors:
+        log.warning("tool call parse errors rid=%s errors=%s", rid, "; ".join(parser.errors))
 
 
 def _pd_params(req) -> tuple[PDParams | None, str | None]:

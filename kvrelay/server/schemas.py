@@ -74,10 +74,24 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tool_choice: str | dict[str, Any] | None = None
+    # Thinking switch as vLLM/SGLang read it for DeepSeek: {"thinking": true} (or enable_thinking).
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v):
+        if isinstance(v, str) and v not in ("none", "auto", "required"):
+            raise ValueError('must be "none", "auto", "required" or a named function')
+        if isinstance(v, dict) and not isinstance((v.get("function") or {}).get("name"), str):
+            raise ValueError('a named tool_choice is {"type": "function", "function": {"name": …}}')
+        return v
 
     @model_validator(mode="after")
     def _merge(self):
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice needs tools")
         if self.max_completion_tokens is not None:
             if self.max_completion_tokens <= 0:
                 raise ValueError("max_completion_tokens must be at least 1")
