@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from kvrelay.bench.cli import add_bench_parser
+from kvrelay.cache.dsv4_pool import INDEX_K_DTYPES
 from kvrelay.config import (
     CacheConfig,
     DisaggConfig,
@@ -43,7 +44,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--max-model-len", type=int, default=None, help="context limit (default: the model's)"
     )
     g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--page-size", type=int, default=c.page_size, help="tokens per KV page")
+    g.add_argument(
+        "--page-size",
+        type=int,
+        default=c.page_size,
+        help="tokens per KV page (DeepSeek-V4: rounded up to a multiple of every compress ratio)",
+    )
+    g.add_argument(
+        "--index-k-dtype",
+        choices=INDEX_K_DTYPES,
+        default=c.index_k_dtype,
+        help="DeepSeek-V4 indexer keys in the cache: auto = the model dtype (bf16 on GPU), "
+        "fp8 = e4m3 with a per-row scale (less memory, worse long-context recall)",
+    )
     g.add_argument(
         "--max-total-tokens",
         type=int,
@@ -136,8 +149,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--test-corrupt-transfer",
-        action="store_true",
-        help="TEST ONLY (prefill): flip one byte of each request's first KV piece after checksumming",
+        type=float,
+        nargs="?",
+        const=1.0,
+        default=x.test_corrupt_p,
+        metavar="P",
+        help="TEST ONLY (prefill): corrupt a request's first KV piece after checksumming, "
+        "with probability P (1 when no P is given)",
+    )
+    g.add_argument(
+        "--test-delay-transfer",
+        type=float,
+        default=x.test_delay_transfer_s,
+        metavar="SECONDS",
+        help="TEST ONLY (prefill): send every KV piece and first token SECONDS late",
     )
 
 
@@ -160,6 +185,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
             page_size=a.page_size,
             max_total_tokens=a.max_total_tokens,
             memory_fraction=a.memory_fraction,
+            index_k_dtype=a.index_k_dtype,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=a.max_num_batched_tokens,
@@ -180,7 +206,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
             transfer_timeout_s=a.transfer_timeout,
             heartbeat_interval_s=a.transfer_heartbeat_interval,
             heartbeat_timeout_s=a.transfer_heartbeat_timeout,
-            test_corrupt_chunks=a.test_corrupt_transfer,
+            test_corrupt_p=a.test_corrupt_transfer,
+            test_delay_transfer_s=a.test_delay_transfer,
         ),
     )
 

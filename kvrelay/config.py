@@ -46,6 +46,7 @@ class CacheConfig:
     page_size: int = 16
     max_total_tokens: int | None = None  # None: sized from free memory
     memory_fraction: float = 0.85  # of free device memory (GPU) or available RAM x 0.3 (CPU)
+    index_k_dtype: str = "auto"  # DeepSeek-V4 index keys: auto (model dtype) | fp8 (+ row scale)
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,10 @@ class DisaggConfig:
     transfer_timeout_s: float = 300.0  # prefill queue + compute + transfer, as seen from each side
     heartbeat_interval_s: float = 2.0  # each side pings every peer connection this often
     heartbeat_timeout_s: float = 10.0  # a peer silent this long is dropped and its transfers fail
-    test_corrupt_chunks: bool = (
-        False  # TEST ONLY: prefill flips a byte in each request's first piece
-    )
+    # TEST ONLY (prefill): corrupt a request's first KV piece after checksumming, with this probability.
+    test_corrupt_p: float = 0.0
+    # TEST ONLY (prefill): send every KV piece and first token this many seconds late.
+    test_delay_transfer_s: float = 0.0
 
 
 @dataclass(frozen=True)

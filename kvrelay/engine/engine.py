@@ -12,7 +12,7 @@ import torch
 from kvrelay.config import EngineConfig
 from kvrelay.engine.messages import AddRequest, EngineStats, RequestOutput, StepOutputs
 from kvrelay.engine.request import Request
-from kvrelay.engine.runner import ModelRunner
+from kvrelay.engine.runner import make_runner
 from kvrelay.engine.sampler import sample
 from kvrelay.engine.scheduler import Scheduler
 from kvrelay.weights.loader import ModelSource, resolve
@@ -24,8 +24,10 @@ class Engine:
     def __init__(self, cfg: EngineConfig, src: ModelSource | None = None) -> None:
         self.cfg = cfg
         self.src = src or resolve(cfg.model, cfg.load_format)
-        self.runner = ModelRunner(cfg, self.src)
-        self.scheduler = Scheduler(cfg.scheduler, self.runner.allocator, self.runner.page_size)
+        self.runner = make_runner(cfg, self.src)
+        self.scheduler = Scheduler(
+            cfg.scheduler, self.runner.allocator, self.runner.page_size, self.runner.state_slots
+        )
         self.eos_ids = set(self.src.config.eos_token_ids)
         self._rng = random.Random(cfg.seed)
         self._pending: list[RequestOutput] = []

@@ -26,6 +26,7 @@ class Request:
         self.arrival = arrival  # admission order; preemption evicts the newest first
         self.status = Status.WAITING
         self.pages: list[int] = []
+        self.state_slot = 0  # models with per-request state (DeepSeek-V4 compressors): its slot
         self.num_computed = 0  # tokens whose K/V sit in the cache
         self.generator: torch.Generator | None = None
         self.finish_reason: str | None = None

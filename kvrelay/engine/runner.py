@@ -32,6 +32,25 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def cache_budget(cfg: EngineConfig, device: torch.device, reserve: int) -> float:
+    """Bytes the caches may take: a fraction of free GPU memory (less `reserve` for
+    activations), or of available RAM on CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free * cfg.cache.memory_fraction - reserve
+    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(avail * 0.3 * cfg.cache.memory_fraction, 8 << 30)
+
+
+def make_runner(cfg: EngineConfig, src: ModelSource):
+    """The runner for the model's family: dense (paged KV, CUDA graphs) or DeepSeek-V4."""
+    if src.config.architecture == "DeepseekV4ForCausalLM":
+        from kvrelay.engine.dsv4_runner import DeepseekV4Runner
+
+        return DeepseekV4Runner(cfg, src)
+    return ModelRunner(cfg, src)
+
+
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, src: ModelSource) -> None:
         self.cfg = cfg
@@ -43,6 +62,7 @@ class ModelRunner:
             src, self.dtype, self.device, cfg.seed, cfg.max_model_len or 1 << 17
         )
         self.model_cfg = src.config
+        self.state_slots = None  # dense models keep no per-request state outside the KV pages
         backend = cfg.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
@@ -82,21 +102,15 @@ class ModelRunner:
         )
 
     def _num_pages(self) -> int:
-        per_token = bytes_per_token(self.model_cfg, self.dtype)
         if self.cfg.cache.max_total_tokens:
             return pages_for(self.cfg.cache.max_total_tokens, self.page_size) + 1
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            # Leave room for activations of a full prefill step and for the decode graphs' logits.
-            act = self.cfg.scheduler.max_num_batched_tokens * (
-                self.model_cfg.hidden_size * 16 + self.model_cfg.vocab_size * 4
-            )
-            graphs = 2 * self.cfg.max_cuda_graph_batch * self.model_cfg.vocab_size * 4
-            budget = free * self.cfg.cache.memory_fraction - act - graphs
-        else:
-            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            budget = min(avail * 0.3 * self.cfg.cache.memory_fraction, 8 << 30)
-        return max(int(budget // (per_token * self.page_size)), 2)
+        # Leave room for activations of a full prefill step and for the decode graphs' logits.
+        c = self.model_cfg
+        act = self.cfg.scheduler.max_num_batched_tokens * (c.hidden_size * 16 + c.vocab_size * 4)
+        graphs = 2 * self.cfg.max_cuda_graph_batch * c.vocab_size * 4
+        budget = cache_budget(self.cfg, self.device, act + graphs)
+        per_page = bytes_per_token(c, self.dtype) * self.page_size
+        return max(int(budget // per_page), 2)
 
     @torch.inference_mode()
     def forward(self, batch: list[ScheduledRequest]) -> torch.Tensor:

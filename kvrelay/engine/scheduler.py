@@ -28,8 +28,17 @@ class ScheduledRequest:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, allocator: PageAllocator, page_size: int) -> None:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        allocator: PageAllocator,
+        page_size: int,
+        state_slots: PageAllocator | None = None,
+    ) -> None:
         self.cfg, self.allocator, self.page_size = cfg, allocator, page_size
+        # Per-request state slots (one per running request) for models that keep state
+        # outside the pages; sized max_running_requests + 1, so admission never runs out.
+        self.state_slots = state_slots
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -54,10 +63,16 @@ class Scheduler:
             self.running.remove(req)
         elif req.status == Status.WAITING:
             self.waiting.remove(req)
-        self.allocator.free(req.pages)
-        req.pages = []
+        self._release(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
+
+    def _release(self, req: Request) -> None:
+        self.allocator.free(req.pages)
+        req.pages = []
+        if req.state_slot:
+            self.state_slots.free([req.state_slot])
+            req.state_slot = 0
 
     @property
     def has_work(self) -> bool:
@@ -83,7 +98,7 @@ class Scheduler:
     def _preempt_newest(self) -> Request:
         victim = max(self.running, key=lambda r: r.arrival)
         self.running.remove(victim)
-        self.allocator.free(victim.pages)
+        self._release(victim)
         victim.reset_for_recompute()
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
@@ -136,6 +151,8 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
+            if self.state_slots is not None:
+                req.state_slot = self.state_slots.alloc(1)[0]
             req.status = Status.RUNNING
             self.running.append(req)
             batch.append(ScheduledRequest(req, n))

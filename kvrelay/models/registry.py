@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvrelay.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from kvrelay.models.llama import LlamaForCausalLM
 
 MODELS = {
@@ -9,6 +10,7 @@ MODELS = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
 }
 
 

@@ -92,6 +92,8 @@ def build_model(
     seed: int = 0,
     max_positions: int = 1 << 17,
 ):
+    if isinstance(src.config, DeepseekV4Config):
+        return _build_dsv4(src, dtype, device, seed)
     cls = model_class(src.config.architecture)
     with torch.device("meta"):
         model = cls(src.config)
@@ -110,6 +112,17 @@ def build_model(
         c.head_dim, c.rope_theta, c.rope_scaling, max_positions, dtype, device
     )
     return model
+
+
+def _build_dsv4(src: ModelSource, dtype: torch.dtype, device: torch.device, seed: int):
+    from kvrelay.models.deepseek_v4 import DeepseekV4ForCausalLM, init_dummy_weights
+
+    if src.kind != "dummy":
+        raise ValueError("DeepSeek-V4 checkpoints load through the DeepSeek-V4 loader")
+    with torch.device(device):  # not meta: the RoPE tables are computed at construction
+        model = DeepseekV4ForCausalLM(src.config, dtype)
+    init_dummy_weights(model, seed)
+    return model.eval()
 
 
 def _init_dummy(model: torch.nn.Module, seed: int) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -38,9 +40,25 @@ class DecoderLayer(nn.Module):
         self, streams: torch.Tensor, input_ids: torch.Tensor, start: int, state: LayerState
     ) -> tuple[torch.Tensor, LayerState]:
         """streams: [n, hc_mult, hidden] of tokens start..start+n-1 -> (streams, state)."""
+        new_state: list[LayerState] = []
+
+        def attend(x: torch.Tensor) -> torch.Tensor:
+            out, s = self.self_attn(x, start, state)
+            new_state.append(s)
+            return out
+
+        return self.run(streams, input_ids, attend), new_state[0]
+
+    def run(
+        self,
+        streams: torch.Tensor,
+        input_ids: torch.Tensor,
+        attend: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """The block around an attention callback: `attend` maps the normed inputs of all rows
+        to their attention outputs (one sequence here; a batch of them in the paged engine)."""
         h, post, comb = self.attn_hc(streams)
-        out, state = self.self_attn(self.input_layernorm(h), start, state)
-        streams = HyperConnection.merge(out, streams, post, comb)
+        streams = HyperConnection.merge(attend(self.input_layernorm(h)), streams, post, comb)
         h, post, comb = self.ffn_hc(streams)
         out = self.mlp(self.post_attention_layernorm(h), input_ids)
-        return HyperConnection.merge(out, streams, post, comb), state
+        return HyperConnection.merge(out, streams, post, comb)

@@ -1,0 +1,231 @@
+"""DeepSeek-V4's caches as paged pools, one tensor per (layer, cache kind).
+
+One page holds `page_size` raw tokens of every kind (page_size is a multiple of every compress
+ratio, so a compressed entry never straddles pages):
+- `swa_kv`        every layer: the raw K = V of each token        [pages, P, head_dim]
+- `c{r}_kv`       compressed layers: entry e covers tokens e*r ..  [pages, P / r, head_dim]
+- `c{r}_index_k`  CSA layers: the indexer's keys, same layout     [pages, P / 4, index_head_dim]
+                  (bf16/model dtype, or fp8 e4m3 with a per-row scale)
+The compressors' partial-window state is per request, not per token: a state slot (one per
+running request) holds, for each compressor, the projected kv/score rows of the open window
+(row = position % ratio) and, for the overlapping ratio-4 compressors, the first-half
+channels of the last closed window. Positions are implicit in the request's token count.
+
+Every tensor is named in `kinds`, so a transfer can ship a request's pages and slot by name.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvrelay.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
+from kvrelay.models.deepseek_v4.precision import wide_dtype
+from kvrelay.models.deepseek_v4.state import CompressorState, LayerState
+
+INDEX_K_DTYPES = ("auto", "fp8")  # auto: the model dtype (bf16 on GPU)
+_FP8 = torch.float8_e4m3fn
+_FP8_MAX = 448.0
+
+
+def dsv4_page_size(cfg: DeepseekV4Config, requested: int) -> int:
+    """The smallest multiple of every compress ratio that is >= the requested page size."""
+    unit = math.lcm(cfg.csa_compress_ratio, cfg.hca_compress_ratio)
+    return unit * max(1, -(-requested // unit))
+
+
+@dataclass
+class _CompressorSlots:
+    """Per-slot partial-window state of one compressor (wide dtype)."""
+
+    ratio: int
+    overlap: bool
+    pending_kv: torch.Tensor  # [slots, ratio, coff*d]
+    pending_score: torch.Tensor
+    prev_kv: torch.Tensor | None  # [slots, ratio, d] (overlap only)
+    prev_score: torch.Tensor | None
+
+
+class DeepseekV4CachePool:
+    def __init__(
+        self,
+        cfg: DeepseekV4Config,
+        num_pages: int,
+        page_size: int,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        index_k_dtype: str = "auto",
+    ) -> None:
+        if page_size % math.lcm(cfg.csa_compress_ratio, cfg.hca_compress_ratio):
+            raise ValueError("page_size must be a multiple of every compress ratio")
+        if index_k_dtype not in INDEX_K_DTYPES:
+            raise ValueError(f"index_k_dtype must be one of {INDEX_K_DTYPES}")
+        self.cfg, self.page_size, self.dtype, self.device = cfg, page_size, dtype, device
+        self.num_pages, self.num_slots = num_pages, num_slots
+        self.index_fp8 = index_k_dtype == "fp8"
+        self.window = cfg.sliding_window
+        wide = wide_dtype(dtype)
+        d, di, P = cfg.head_dim, cfg.index_head_dim, page_size
+
+        def zeros(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dt, device=device)
+
+        def slots(ratio: int, dim: int, overlap: bool) -> _CompressorSlots:
+            coff = 2 if overlap else 1
+            return _CompressorSlots(
+                ratio,
+                overlap,
+                zeros(num_slots, ratio, coff * dim, dt=wide),
+                zeros(num_slots, ratio, coff * dim, dt=wide),
+                zeros(num_slots, ratio, dim, dt=wide) if overlap else None,
+                zeros(num_slots, ratio, dim, dt=wide) if overlap else None,
+            )
+
+        self.swa: list[torch.Tensor] = []
+        self.entries: list[torch.Tensor | None] = []
+        self.index_k: list[torch.Tensor | None] = []
+        self.index_k_scale: list[torch.Tensor | None] = []
+        self.comp_slots: list[_CompressorSlots | None] = []
+        self.index_slots: list[_CompressorSlots | None] = []
+        self.kinds: dict[str, torch.Tensor] = {}  # name -> tensor (pages or slots first)
+        for i, kind in enumerate(cfg.layer_types):
+            self.swa.append(zeros(num_pages, P, d))
+            self.kinds[f"L{i}.swa_kv"] = self.swa[-1]
+            entries = index_k = scale = comp = idx = None
+            if kind != SLIDING:
+                r = cfg.compress_ratio(i)
+                entries = zeros(num_pages, P // r, d)
+                self.kinds[f"L{i}.c{r}_kv"] = entries
+                comp = slots(r, d, kind == CSA)
+                self._name_slots(f"L{i}.c{r}_state", comp)
+            if kind == CSA:
+                r = cfg.csa_compress_ratio
+                index_k = zeros(num_pages, P // r, di, dt=_FP8 if self.index_fp8 else dtype)
+                self.kinds[f"L{i}.c{r}_index_k"] = index_k
+                if self.index_fp8:
+                    scale = zeros(num_pages, P // r, dt=torch.float32)
+                    self.kinds[f"L{i}.c{r}_index_k_scale"] = scale
+                idx = slots(r, di, True)
+                self._name_slots(f"L{i}.c{r}_index_state", idx)
+            self.entries.append(entries)
+            self.index_k.append(index_k)
+            self.index_k_scale.append(scale)
+            self.comp_slots.append(comp)
+            self.index_slots.append(idx)
+
+    def _name_slots(self, prefix: str, s: _CompressorSlots) -> None:
+        self.kinds[f"{prefix}.pending_kv"] = s.pending_kv
+        self.kinds[f"{prefix}.pending_score"] = s.pending_score
+        if s.overlap:
+            self.kinds[f"{prefix}.prev_kv"] = s.prev_kv
+            self.kinds[f"{prefix}.prev_score"] = s.prev_score
+
+    @staticmethod
+    def bytes_per_page(cfg: DeepseekV4Config, page_size: int, dtype: torch.dtype) -> int:
+        d, di, total = cfg.head_dim, cfg.index_head_dim, 0
+        for i, kind in enumerate(cfg.layer_types):
+            total += page_size * d
+            if kind != SLIDING:
+                total += page_size // cfg.compress_ratio(i) * d
+            if kind == CSA:
+                total += page_size // cfg.csa_compress_ratio * di
+        return total * dtype.itemsize
+
+    @staticmethod
+    def bytes_per_slot(cfg: DeepseekV4Config, dtype: torch.dtype) -> int:
+        d, di, total = cfg.head_dim, cfg.index_head_dim, 0
+        for i, kind in enumerate(cfg.layer_types):
+            if kind == CSA:
+                total += cfg.csa_compress_ratio * (6 * d + 6 * di)  # 2x(2d wide) + 2x(d) each
+            elif kind != SLIDING:
+                total += cfg.compress_ratio(i) * 2 * d
+        return total * wide_dtype(dtype).itemsize
+
+    # -- rows of a request ------------------------------------------------------------------
+    def _rows(self, pages: torch.Tensor, first: int, last: int, per_page: int, r: int):
+        """Flat row indices of units first..last-1 (a unit = r tokens) of a request."""
+        units = torch.arange(first, last, device=self.device)
+        return pages[units * r // self.page_size] * per_page + units % per_page
+
+    def _read(self, pool: torch.Tensor, pages: torch.Tensor, first: int, last: int, r: int):
+        per_page = pool.shape[1]
+        return pool.flatten(0, 1)[self._rows(pages, first, last, per_page, r)]
+
+    def _write(self, pool, pages, first: int, rows: torch.Tensor, r: int) -> None:
+        if rows.shape[0]:
+            idx = self._rows(pages, first, first + rows.shape[0], pool.shape[1], r)
+            pool.flatten(0, 1)[idx] = rows.to(pool.dtype)
+
+    def _read_index_k(self, i: int, pages: torch.Tensor, n: int) -> torch.Tensor:
+        r = self.cfg.csa_compress_ratio
+        k = self._read(self.index_k[i], pages, 0, n, r)
+        if not self.index_fp8:
+            return k
+        scale = self._read(self.index_k_scale[i], pages, 0, n, r)
+        return (k.float() * scale[:, None]).to(self.dtype)
+
+    def _write_index_k(self, i: int, pages: torch.Tensor, first: int, rows: torch.Tensor) -> None:
+        r = self.cfg.csa_compress_ratio
+        if not self.index_fp8:
+            self._write(self.index_k[i], pages, first, rows, r)
+            return
+        amax = rows.float().abs().amax(dim=-1).clamp(min=1e-12)
+        scale = amax / _FP8_MAX
+        self._write(self.index_k[i], pages, first, (rows.float() / scale[:, None]).to(_FP8), r)
+        self._write(self.index_k_scale[i], pages, first, scale, r)
+
+    # -- one layer's state of one request, as the model code takes it ----------------------
+    def load_layer(self, i: int, pages: torch.Tensor, slot: int, start: int) -> LayerState:
+        """The state after `start` tokens: window KV, compressed entries, compressor state."""
+        w0 = max(0, start - (self.window - 1))
+        state = LayerState(window=self._read(self.swa[i], pages, w0, start, 1))
+        if self.entries[i] is not None:
+            s = self.comp_slots[i]
+            entries = self._read(self.entries[i], pages, 0, start // s.ratio, s.ratio)
+            state.compressor = self._load_slot(s, slot, start, entries)
+        if self.index_k[i] is not None:
+            s = self.index_slots[i]
+            keys = self._read_index_k(i, pages, start // s.ratio)
+            state.indexer = self._load_slot(s, slot, start, keys)
+        return state
+
+    def store_layer(
+        self, i: int, pages: torch.Tensor, slot: int, start: int, n: int, new: LayerState
+    ) -> None:
+        """Write what tokens start..start+n-1 added: their window KV (those the next chunk
+        can still see), the entries they completed, and the compressor state after them."""
+        keep = min(n, new.window.shape[0])
+        if keep:
+            self._write(self.swa[i], pages, start + n - keep, new.window[-keep:], 1)
+        if self.entries[i] is not None:
+            s = self.comp_slots[i]
+            first = start // s.ratio
+            self._write(self.entries[i], pages, first, new.compressor.entries[first:], s.ratio)
+            self._store_slot(s, slot, start + n, new.compressor)
+        if self.index_k[i] is not None:
+            s = self.index_slots[i]
+            first = start // s.ratio
+            self._write_index_k(i, pages, first, new.indexer.entries[first:])
+            self._store_slot(s, slot, start + n, new.indexer)
+
+    @staticmethod
+    def _load_slot(
+        s: _CompressorSlots, slot: int, start: int, entries: torch.Tensor
+    ) -> CompressorState:
+        p = start % s.ratio
+        state = CompressorState(entries, s.pending_kv[slot, :p], s.pending_score[slot, :p])
+        if s.overlap and start >= s.ratio:
+            state.prev_kv, state.prev_score = s.prev_kv[slot], s.prev_score[slot]
+        return state
+
+    @staticmethod
+    def _store_slot(s: _CompressorSlots, slot: int, end: int, state: CompressorState) -> None:
+        p = end % s.ratio
+        s.pending_kv[slot, :p] = state.pending_kv
+        s.pending_score[slot, :p] = state.pending_score
+        if s.overlap and state.prev_kv is not None:
+            s.prev_kv[slot] = state.prev_kv
+            s.prev_score[slot] = state.prev_score

@@ -1,0 +1,61 @@
+"""DeepSeek-V4 over a batch of sequences whose caches live in paged pools.
+
+Per-token work (embeddings, hyper-connections, norms, MoE, head) runs on all rows of the batch
+at once; attention runs per sequence on the state it loads from the cache, through the same
+`Attention` code as the full-sequence forward, so the engine computes what the oracle-checked
+model computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kvrelay.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from kvrelay.models.deepseek_v4.state import LayerState
+
+
+@dataclass
+class PagedSequence:
+    rows: slice  # this sequence's rows in the batch
+    start: int  # tokens already in the cache
+    pages: torch.Tensor  # [num_pages] long, the request's page table
+    slot: int  # its compressor-state slot
+
+
+class PagedCache(Protocol):
+    def load_layer(self, i: int, pages: torch.Tensor, slot: int, start: int) -> LayerState: ...
+
+    def store_layer(
+        self, i: int, pages: torch.Tensor, slot: int, start: int, n: int, new: LayerState
+    ) -> None: ...
+
+
+@torch.no_grad()
+def forward_paged(
+    model: DeepseekV4ForCausalLM,
+    input_ids: torch.Tensor,
+    seqs: list[PagedSequence],
+    cache: PagedCache,
+    sample_rows: torch.Tensor,
+) -> torch.Tensor:
+    """input_ids: [T], the sequences' new tokens back to back -> logits [len(sample_rows), V]."""
+    m = model.model
+    x = m.embed_tokens(input_ids)
+    streams = x[:, None, :].expand(-1, m.config.hc_mult, -1).contiguous()
+    for i, layer in enumerate(m.layers):
+
+        def attend(xn: torch.Tensor, i: int = i, layer=layer) -> torch.Tensor:
+            outs = []
+            for s in seqs:
+                state = cache.load_layer(i, s.pages, s.slot, s.start)
+                out, new = layer.self_attn(xn[s.rows], s.start, state)
+                cache.store_layer(i, s.pages, s.slot, s.start, out.shape[0], new)
+                outs.append(out)
+            return torch.cat(outs)
+
+        streams = layer.run(streams, input_ids, attend)
+    hidden = m.norm(m.hc_head(streams[sample_rows]))
+    return model.lm_head(hidden)
