@@ -13,6 +13,7 @@ from pathlib import Path
 from kvrelay.bench import metrics as bm
 from kvrelay.bench.loadgen import BenchConfig, BenchError, Progress, run_sweep
 from kvrelay.bench.workloads import CHAT, COMPLETIONS, DATASETS, WorkloadConfig
+from kvrelay.ledger.cli import add_ledger_arg, save_run
 
 DEFAULT_CONCURRENCY = "1,8,32,64"
 
@@ -45,80 +46,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         "--model", default=None, help="model name to request (default: the first the server lists)"
     )
     g.add_argument(
-        "--endpoint",
-        default=None,
-        choices=[COMPLETIONS, CHAT],
-        help=f"API route (default: {COMPLETIONS} for random, {CHAT} for the chat workloads)",
-    )
-    g.add_argument(
         "--request-timeout",
         type=float,
         default=600.0,
         help="seconds before a request counts as failed",
     )
 
-    g = b.add_argument_group("workload")
-    g.add_argument(
-        "--dataset-name",
-        default="random",
-        choices=DATASETS,
-        help="random: fixed-length prompts; shared-prefix-chat: multi-turn chats sharing system "
-        "prompts; agentic: tool-call loops with simulated tools",
-    )
-    g.add_argument(
-        "--input-len",
-        "--random-input-len",
-        dest="input_len",
-        type=int,
-        default=1024,
-        help="prompt tokens (random), tokens per user turn (chat) or of the task (agentic)",
-    )
-    g.add_argument(
-        "--output-len",
-        "--random-output-len",
-        dest="output_len",
-        type=int,
-        default=128,
-        help="max_tokens of every request",
-    )
-    g.add_argument(
-        "--random-range-ratio",
-        type=float,
-        default=0.0,
-        help="random: lengths uniform in [len*(1-r), len*(1+r)]",
-    )
-    g.add_argument(
-        "--prefix-len",
-        "--gsp-system-prompt-len",
-        dest="prefix_len",
-        type=int,
-        default=1024,
-        help="chat/agentic: tokens of the system prompt a group of sessions shares",
-    )
-    g.add_argument(
-        "--num-prefix-groups",
-        "--gsp-num-groups",
-        dest="num_prefix_groups",
-        type=int,
-        default=4,
-        help="chat/agentic: number of distinct shared system prompts",
-    )
-    g.add_argument("--num-turns", type=int, default=4, help="chat/agentic: requests per session")
-    g.add_argument(
-        "--tool-result-len",
-        type=int,
-        default=256,
-        help="agentic: tokens of each simulated tool result",
-    )
-    g.add_argument(
-        "--ignore-eos",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="generate exactly --output-len tokens",
-    )
-    g.add_argument(
-        "--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)"
-    )
+    add_workload_args(b)
 
     g = b.add_argument_group("load")
     g.add_argument(
@@ -197,12 +131,89 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         action="store_true",
         help="no progress bar",
     )
+    add_ledger_arg(g)
     b.set_defaults(func=cmd_bench)
-    # `kvrelay verify` rides along, so the top-level CLI needs no wiring of its own.
+    # verify, ab and the ledger's report ride along: the top-level CLI needs no wiring of its own.
+    from kvrelay.bench.ab import add_ab_parser
     from kvrelay.bench.verify import add_verify_parser
+    from kvrelay.ledger.cli import add_report_parser
 
     add_verify_parser(subparsers)
+    add_ab_parser(subparsers)
+    add_report_parser(subparsers)
     return b
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """What is sent: shared by `kvrelay bench` and `kvrelay ab`."""
+    g = p.add_argument_group("workload")
+    g.add_argument(
+        "--endpoint",
+        default=None,
+        choices=[COMPLETIONS, CHAT],
+        help=f"API route (default: {COMPLETIONS} for random, {CHAT} for the chat workloads)",
+    )
+    g.add_argument(
+        "--dataset-name",
+        default="random",
+        choices=DATASETS,
+        help="random: fixed-length prompts; shared-prefix-chat: multi-turn chats sharing system "
+        "prompts; agentic: tool-call loops with simulated tools",
+    )
+    g.add_argument(
+        "--input-len",
+        "--random-input-len",
+        dest="input_len",
+        type=int,
+        default=1024,
+        help="prompt tokens (random), tokens per user turn (chat) or of the task (agentic)",
+    )
+    g.add_argument(
+        "--output-len",
+        "--random-output-len",
+        dest="output_len",
+        type=int,
+        default=128,
+        help="max_tokens of every request",
+    )
+    g.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="random: lengths uniform in [len*(1-r), len*(1+r)]",
+    )
+    g.add_argument(
+        "--prefix-len",
+        "--gsp-system-prompt-len",
+        dest="prefix_len",
+        type=int,
+        default=1024,
+        help="chat/agentic: tokens of the system prompt a group of sessions shares",
+    )
+    g.add_argument(
+        "--num-prefix-groups",
+        "--gsp-num-groups",
+        dest="num_prefix_groups",
+        type=int,
+        default=4,
+        help="chat/agentic: number of distinct shared system prompts",
+    )
+    g.add_argument("--num-turns", type=int, default=4, help="chat/agentic: requests per session")
+    g.add_argument(
+        "--tool-result-len",
+        type=int,
+        default=256,
+        help="agentic: tokens of each simulated tool result",
+    )
+    g.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="generate exactly --output-len tokens",
+    )
+    g.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)"
+    )
 
 
 def _floats(text: str, what: str) -> list[float]:
@@ -215,10 +226,10 @@ def _floats(text: str, what: str) -> list[float]:
     return values
 
 
-def config_from_args(a: argparse.Namespace) -> BenchConfig:
+def workload_from_args(a: argparse.Namespace) -> WorkloadConfig:
     endpoint = a.endpoint or (COMPLETIONS if a.dataset_name == "random" else CHAT)
     try:
-        wl = WorkloadConfig(
+        return WorkloadConfig(
             dataset=a.dataset_name,
             endpoint=endpoint,
             input_len=a.input_len,
@@ -231,6 +242,25 @@ def config_from_args(a: argparse.Namespace) -> BenchConfig:
             ignore_eos=a.ignore_eos,
             temperature=a.temperature,
         )
+    except ValueError as e:
+        raise BenchError(str(e)) from None
+
+
+def workload_label(wl: WorkloadConfig) -> str:
+    """The workload in one line, for the ledger: 'random in=256 out=64'."""
+    label = f"{wl.dataset} in={wl.input_len} out={wl.output_len}"
+    if wl.dataset != "random":
+        label += f" prefix={wl.prefix_len} turns={wl.num_turns}"
+    return (
+        label
+        + ("" if wl.ignore_eos else " eos")
+        + (f" T={wl.temperature:g}" if wl.temperature else "")
+    )
+
+
+def config_from_args(a: argparse.Namespace) -> BenchConfig:
+    wl = workload_from_args(a)
+    try:
         slo = bm.parse_slo(" ".join(a.slo)) if a.slo else {}
     except ValueError as e:
         raise BenchError(str(e)) from None
@@ -315,6 +345,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     """Exit 0: every request succeeded; 1: some failed (results still written); 2: could not run."""
     from kvrelay.bench import report
 
+    started = time.time()
     try:
         cfg = config_from_args(a)
         result = asyncio.run(run_sweep(cfg, Progress() if a.disable_progress else RichProgress()))
@@ -337,9 +368,46 @@ def cmd_bench(a: argparse.Namespace) -> int:
         result["plots"] = [str(p) for p in written]
         written.insert(0, report.write_json(result, stem.with_name(stem.name + ".json")))
         sys.stdout.write("wrote " + ", ".join(str(p) for p in written) + "\n")
+    save_run(
+        a,
+        "bench",
+        result["config"],
+        result,
+        server_url=cfg.base_url,
+        workload=f"{workload_label(cfg.workload)} {_levels_label(cfg)}",
+        headline=bench_headline(result),
+        started_at=started,
+        status="errors" if result["totals"]["failed"] else "ok",
+    )
     if result["totals"]["counters_agree"] is False:
         sys.stdout.write(
             "warning: the server's /metrics counters differ from the bench's counts "
             "(another client on the server, or a counting bug)\n"
         )
     return 1 if result["totals"]["failed"] else 0
+
+
+def _levels_label(cfg: BenchConfig) -> str:
+    if cfg.mode == "closed":
+        return "c=" + ",".join(str(c) for c in cfg.concurrency)
+    rates = ",".join(f"{r:g}" for r in cfg.request_rates)
+    return f"rate={rates}/s" + (f" max_c={cfg.max_concurrency}" if cfg.max_concurrency else "")
+
+
+def bench_headline(result: dict) -> str:
+    """Per level: output tok/s, mean TTFT and TPOT; then the step-time model (ledger report)."""
+    from kvrelay.bench.report import level_label
+    from kvrelay.bench.stepfit import describe
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1f}"
+
+    parts = [
+        f"{level_label(lv)}: {lv['output_throughput']:.1f} tok/s, TTFT {ms(lv['ttft_ms']['mean'])} ms, "
+        f"TPOT {ms(lv['tpot_ms']['mean'])} ms"
+        + (f", {lv['failed']} failed" if lv["failed"] else "")
+        for lv in result["levels"]
+    ]
+    if result.get("step_fit"):
+        parts.append(describe(result["step_fit"]))
+    return "; ".join(parts)

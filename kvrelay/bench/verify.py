@@ -373,6 +373,9 @@ def add_verify_parser(subparsers) -> argparse.ArgumentParser:
         help="JSON file name (default kvrelay-verify-TIMESTAMP.json)",
     )
     v.add_argument("--no-save", action="store_true", help="print the table only; write no file")
+    from kvrelay.ledger.cli import add_ledger_arg
+
+    add_ledger_arg(v)
     v.set_defaults(func=cmd_verify)
     return v
 
@@ -394,6 +397,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
         near_tie=a.near_tie,
         request_timeout_s=a.request_timeout,
     )
+    started = time.time()
     try:
         if cfg.num_prompts < 1:
             raise BenchError("--num-prompts must be at least 1")
@@ -406,4 +410,29 @@ def cmd_verify(a: argparse.Namespace) -> int:
         name = a.result_filename or time.strftime("kvrelay-verify-%Y%m%d-%H%M%S.json")
         path = report.write_json(result, Path(a.result_dir) / name)
         sys.stdout.write(f"wrote {path}\n")
+    _record(a, cfg, result, started)
     return result["exit_code"]
+
+
+def _record(a: argparse.Namespace, cfg: VerifyConfig, result: dict, started: float) -> None:
+    """Into the ledger, under B's configuration (the endpoint under test); A's is kept beside."""
+    from kvrelay.ledger.cli import save_run
+    from kvrelay.ledger.record import fetch_server_info
+
+    s = result["summary"]
+    config = dict(result["config"])
+    if cfg.url_a != cfg.url_b:
+        config["a_server_info"] = fetch_server_info(cfg.url_a)
+    save_run(
+        a,
+        "verify",
+        config,
+        result,
+        server_url=cfg.url_b,
+        workload=f"verify {cfg.num_prompts} prompts in={cfg.input_len} out={cfg.output_len} "
+        f"c={cfg.concurrency_a}/{cfg.concurrency_b} vs {'itself' if cfg.url_a == cfg.url_b else cfg.url_a}",
+        headline=f"{s['verdict']}: identical {s['identical']}/{s['num_prompts']}, different "
+        f"{s['different']} (near-ties {s['near_tie']}), errors {s['errors']}",
+        started_at=started,
+        status="errors" if s["errors"] else "ok",
+    )
