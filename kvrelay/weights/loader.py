@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 
@@ -14,9 +15,13 @@ from kvrelay.models.deepseek_v4.config import PRESETS as DSV4_PRESETS
 from kvrelay.models.deepseek_v4.config import DeepseekV4Config
 from kvrelay.models.presets import PRESETS
 from kvrelay.models.registry import model_class
-from kvrelay.weights import gguf_reader, hf_dir
+from kvrelay.weights import dsv4_checkpoint, gguf_reader, hf_dir
 
 EMBEDDED = "smollm2"
+# Any of these in a checkpoint directory means it brings its own tokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+log = logging.getLogger("kvrelay.weights")
 
 
 def embedded_gguf() -> str:
@@ -50,6 +55,8 @@ def resolve(model: str, load_format: str = "auto") -> ModelSource:
         cfg = gguf_reader.read_config(reader)
         name = EMBEDDED if model == EMBEDDED else os.path.basename(path)
         return ModelSource(name, "gguf", path, cfg, os.path.dirname(path), os.path.basename(path))
+    if dsv4_checkpoint.is_dsv4_dir(path):
+        return _resolve_dsv4_dir(path)
     if os.path.isdir(path):
         return ModelSource(
             os.path.basename(os.path.normpath(path)),
@@ -62,6 +69,33 @@ def resolve(model: str, load_format: str = "auto") -> ModelSource:
     raise FileNotFoundError(
         f"--model {model!r} is neither {EMBEDDED!r}, a .gguf file, an HF directory, nor a dummy preset"
     )
+
+
+def _resolve_dsv4_dir(path: str) -> ModelSource:
+    cfg, _ = dsv4_checkpoint.read_dsv4_config(path)
+    name = os.path.basename(os.path.normpath(path))
+    if any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        return ModelSource(name, "hf", path, cfg, path, None)
+    # A directory without tokenizer files (tests, conversions) borrows the embedded tokenizer
+    # like the dummy presets, but its vocabulary stays the checkpoint's.
+    try:
+        g = embedded_gguf()
+    except FileNotFoundError:
+        log.warning("no tokenizer path=%s: token ids only", path)
+        return ModelSource(name, "hf", path, cfg, "", None)
+    tok = gguf_reader.read_config(gguf_reader.open_gguf(g))
+    if tok.vocab_size > cfg.vocab_size:
+        log.warning(
+            "borrowed tokenizer is larger than the checkpoint vocab tokenizer_vocab=%d "
+            "model_vocab=%d path=%s: ids beyond the model's vocab will fail",
+            tok.vocab_size, cfg.vocab_size, path,
+        )  # fmt: skip
+    cfg = cfg.with_(
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_ids[0] if tok.eos_token_ids else None,
+    )
+    log.info("no tokenizer files path=%s: borrowing the embedded tokenizer %s", path, g)
+    return ModelSource(name, "hf", path, cfg, os.path.dirname(g), os.path.basename(g))
 
 
 def _resolve_dummy(model: str) -> ModelSource:
@@ -117,11 +151,13 @@ def build_model(
 def _build_dsv4(src: ModelSource, dtype: torch.dtype, device: torch.device, seed: int):
     from kvrelay.models.deepseek_v4 import DeepseekV4ForCausalLM, init_dummy_weights
 
-    if src.kind != "dummy":
-        raise ValueError("DeepSeek-V4 checkpoints load through the DeepSeek-V4 loader")
     with torch.device(device):  # not meta: the RoPE tables are computed at construction
         model = DeepseekV4ForCausalLM(src.config, dtype)
-    init_dummy_weights(model, seed)
+    if src.kind == "dummy":
+        init_dummy_weights(model, seed)
+    else:  # tensors are read, dequantized and copied in one at a time
+        with dsv4_checkpoint.Dsv4Checkpoint(src.path) as ckpt:
+            dsv4_checkpoint.load_checkpoint(model, ckpt)
     return model.eval()
 
 
