@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from kvrelay.bench.cli import add_bench_parser
+from kvrelay.bench.repro import add_repro_parser
 from kvrelay.cache.dsv4_pool import INDEX_K_DTYPES
 from kvrelay.config import (
     CacheConfig,
@@ -316,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.set_defaults(func=cmd_router)
     add_bench_parser(sub)
+    add_repro_parser(sub)
     add_up_parser(sub)
     return p
 
