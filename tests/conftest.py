@@ -32,11 +32,12 @@ def free_port() -> int:
 class ServerProcess:
     """`kvrelay serve` as a real process; stopped (and its engine with it) on close."""
 
-    def __init__(self, *args: str, log_path: str | None = None) -> None:
-        self.port = free_port()
+    def __init__(self, *args: str, log_path: str | None = None, port: int | None = None) -> None:
+        self.args = args
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path or f"/tmp/kvrelay-test-{self.port}.log"
-        self._log = open(self.log_path, "w")
+        self._log = open(self.log_path, "a" if port else "w")  # a restart on a port appends
         env = dict(os.environ, KVRELAY_CPU_THREADS=os.environ.get("KVRELAY_CPU_THREADS", "2"))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(self.port), *args],

@@ -159,6 +159,10 @@ class TransferAgent:
     def in_flight(self) -> bool:
         raise NotImplementedError
 
+    def state_counts(self) -> dict[str, int]:
+        """Transfers per state (every state this side has, zeros included): the per-state gauges."""
+        raise NotImplementedError
+
     def close(self) -> None:
         self._stop.set()
         self.transport.close()

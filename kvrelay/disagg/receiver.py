@@ -70,6 +70,13 @@ class DecodeReceiver(TransferAgent):
     def in_flight(self) -> bool:
         return bool(self.transfers or self.orphans or self.refused) or not self.events.empty()
 
+    def state_counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(("reserved", "receiving"), 0)
+        for t in self.transfers.values():
+            counts[t.sm.state.value] += 1
+        counts["orphaned"] = len(self.orphans)  # prefill's reservation came before decode's copy
+        return counts
+
     def _on_hello(self, conn: Connection, msg: P.Hello) -> None:
         conn.send(P.encode(P.Hello(self.instance_id, self.role, self.layout)))
         if msg.layout != self.layout:
@@ -168,6 +175,8 @@ class DecodeReceiver(TransferAgent):
         if isinstance(msg, P.ReserveRequest):
             if tid in self.refused:
                 self._send(ev.conn, P.ReserveAck(tid, False, self.refused.pop(tid)[0]))
+            elif tid in self.ended:  # aborted or failed here first: answer now, not at a timeout
+                self._send(ev.conn, P.ReserveAck(tid, False, "decode already ended this transfer"))
             elif t is None:
                 self.orphans[tid] = Orphan(ev.conn, msg, time.monotonic())
             elif t.sm.state != TState.RESERVED:

@@ -20,8 +20,10 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
+from starlette.background import BackgroundTask
 
 from kvrelay.config import RouterConfig
+from kvrelay.disagg.protocol import pd_status
 
 log = logging.getLogger("kvrelay.router")
 
@@ -77,6 +79,11 @@ class Router:
         self.retries = Counter(
             "kvrelay_router_retries", "attempts retried on a fresh pair", registry=r
         )
+        self.disconnects = Counter(
+            "kvrelay_router_client_disconnects",
+            "streams the client left before their end (decode's request is aborted)",
+            registry=r,
+        )
 
     def pick(self) -> tuple[str, str]:
         i = self._next
@@ -85,8 +92,8 @@ class Router:
             i % len(self.cfg.decode)
         ]
 
-    async def peer_info(self, url: str, role: str, refresh: bool) -> PeerInfo:
-        if not refresh and url in self.info:
+    async def peer_info(self, url: str, role: str) -> PeerInfo:
+        if url in self.info:
             return self.info[url]
         try:
             r = await self.client.get(url + "/pd/info", timeout=self.cfg.connect_timeout_s)
@@ -108,7 +115,7 @@ class Router:
             if attempt:
                 self.retries.inc()
             try:
-                resp = await self._attempt(path, body, stream, refresh=attempt > 0)
+                resp = await self._attempt(path, body, stream)
                 self.requests.labels(outcome="ok").inc()
                 return resp
             except RouteError as e:
@@ -120,10 +127,21 @@ class Router:
         self.requests.labels(outcome="error").inc()
         return last.response()
 
-    async def _attempt(self, path: str, body: dict, stream: bool, refresh: bool) -> Response:
+    async def _attempt(self, path: str, body: dict, stream: bool) -> Response:
         p_url, d_url = self.pick()
-        await self.peer_info(p_url, "prefill", refresh)
-        dinfo = await self.peer_info(d_url, "decode", refresh)
+        try:
+            return await self._attempt_pair(path, body, stream, p_url, d_url)
+        except RouteError:
+            # Either server may have restarted (new instance id and transfer address): ask again.
+            self.info.pop(p_url, None)
+            self.info.pop(d_url, None)
+            raise
+
+    async def _attempt_pair(
+        self, path: str, body: dict, stream: bool, p_url: str, d_url: str
+    ) -> Response:
+        await self.peer_info(p_url, "prefill")
+        dinfo = await self.peer_info(d_url, "decode")
         rid = f"{'chatcmpl' if 'chat' in path else 'cmpl'}-{uuid.uuid4().hex}"
         tid = uuid.uuid4().hex
         dbody = {**body, "kvrelay_pd": {"role": "decode", "transfer_id": tid, "request_id": rid}}
@@ -168,10 +186,11 @@ class Router:
             if first is None:
                 raise RouteError(502, "decode closed the stream before any event", "stream_broken")
             if first.startswith('data: {"error"'):
+                # Nothing reached the client yet: the error can still be an HTTP status (504 for a
+                # timeout), and the attempt can still be retried.
                 err = json.loads(first[6:])["error"]
-                raise RouteError(
-                    502, f"decode: {err.get('message')}", err.get("code") or "decode_error"
-                )
+                code = err.get("code") or "decode_error"
+                raise RouteError(pd_status(code), f"decode: {err.get('message')}", code)
         except BaseException:
             dtask.cancel()
             if dresp is not None:
@@ -180,8 +199,11 @@ class Router:
                 ptask.cancel()
             raise
         asyncio.create_task(self._drain(ptask, rid))
+        relay = Relay(self, first, lines, dresp, rid)
+        # The background task runs even when the client left before the stream started, when the
+        # generator's own cleanup never runs: it closes decode's response, which aborts the request.
         return StreamingResponse(
-            self._relay(first, lines, dresp, rid), media_type="text/event-stream"
+            relay.events(), media_type="text/event-stream", background=BackgroundTask(relay.close)
         )
 
     async def _prefill(self, url: str, body: dict) -> None:
@@ -236,24 +258,6 @@ class Router:
         except asyncio.CancelledError:
             pass
 
-    async def _relay(self, first: str, lines, dresp: httpx.Response, rid: str):
-        yield first + "\n\n"
-        try:
-            async for line in lines:
-                if line.strip():
-                    yield line + "\n\n"
-        except httpx.HTTPError as e:
-            self.failures.labels(cause="stream_broken").inc()
-            log.warning("decode stream broke rid=%s error=%s", rid, e)
-            err = {
-                "message": f"decode stream broke: {type(e).__name__}: {e}",
-                "type": "server_error",
-                "code": "stream_broken",
-            }
-            yield f"data: {json.dumps({'error': err})}\n\n"
-        finally:
-            await dresp.aclose()
-
     async def health(self) -> tuple[bool, dict]:
         status = {}
         for url in self.cfg.prefill + self.cfg.decode:
@@ -264,6 +268,44 @@ class Router:
             except httpx.HTTPError:
                 status[url] = False
         return all(status.values()), status
+
+
+class Relay:
+    """Decode's SSE stream, relayed to the client; a broken decode stream becomes an error event."""
+
+    def __init__(self, router: Router, first: str, lines, dresp: httpx.Response, rid: str) -> None:
+        self.router, self.first, self.lines, self.dresp, self.rid = router, first, lines, dresp, rid
+        self.ended = False  # decode's stream reached its end (or broke): the client saw it all
+        self.closed = False
+
+    async def events(self):
+        try:
+            yield self.first + "\n\n"
+            try:
+                async for line in self.lines:
+                    if line.strip():
+                        yield line + "\n\n"
+            except httpx.HTTPError as e:
+                self.router.failures.labels(cause="stream_broken").inc()
+                log.warning("decode stream broke rid=%s error=%s", self.rid, e)
+                err = {
+                    "message": f"decode stream broke: {type(e).__name__}: {e}",
+                    "type": "server_error",
+                    "code": "stream_broken",
+                }
+                yield f"data: {json.dumps({'error': err})}\n\n"
+            self.ended = True
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if not self.ended:
+            self.router.disconnects.inc()
+            log.info("client disconnected, aborting rid=%s", self.rid)
+        await self.dresp.aclose()
 
 
 def create_router_app(cfg: RouterConfig, on_ready=None) -> FastAPI:

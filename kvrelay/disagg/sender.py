@@ -8,7 +8,10 @@ TransferDone) -> DONE; any state -> FAILED with a cause, a log line and an error
 from __future__ import annotations
 
 import logging
+import queue
+import random
 import threading
+import time
 from dataclasses import dataclass, field
 
 import msgspec
@@ -31,6 +34,27 @@ class Peer:
     error: str = ""
 
 
+class DelayedSends:
+    """TEST ONLY: frames sent `delay_s` late, in order, from a thread of their own (a stalled link)."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.q: queue.Queue[tuple[float, Connection, bytes, list]] = queue.Queue()
+        threading.Thread(target=self._run, daemon=True, name="kvrelay-test-delay").start()
+
+    def put(self, conn: Connection, header: bytes, buffers) -> None:
+        self.q.put((time.monotonic() + self.delay_s, conn, header, list(buffers)))
+
+    def _run(self) -> None:
+        while True:
+            due, conn, header, buffers = self.q.get()
+            time.sleep(max(due - time.monotonic(), 0.0))
+            try:
+                conn.send(header, buffers)
+            except ConnectionError:
+                pass  # the connection's reader thread reports the loss
+
+
 @dataclass
 class PrefillTransfer:
     req: object
@@ -47,6 +71,23 @@ class PrefillSender(TransferAgent):
         super().__init__(engine)
         self.peers: dict[str, Peer] = {}
         self.transfers: dict[str, PrefillTransfer] = {}  # by rid
+        self._fault_rng = random.Random(engine.cfg.seed)
+        d = self.cfg.test_delay_transfer_s
+        self._delayed = DelayedSends(d) if d > 0 else None
+
+    def state_counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(("bootstrapping", "prefilling", "sending"), 0)
+        for t in self.transfers.values():
+            counts[t.sm.state.value] += 1
+        return counts
+
+    def _send(self, conn: Connection | None, msg: P.Message, buffers=()) -> bool:
+        if self._delayed is not None and isinstance(msg, P.ChunkHeader | P.FirstToken):
+            if conn is None or conn.closed:
+                return False
+            self._delayed.put(conn, P.encode(msg), buffers)
+            return True
+        return super()._send(conn, msg, buffers)
 
     @property
     def in_flight(self) -> bool:
@@ -153,6 +194,7 @@ class PrefillSender(TransferAgent):
         pages = torch.tensor(req.pages[: -(-n_tok // ps)], dtype=torch.long, device=kv.device)
         num_layers, step = kv.shape[1], max(self.cfg.layers_per_chunk, 1)
         n = 0
+        corrupt = self._fault_rng.random() < self.cfg.test_corrupt_p
         for l0 in range(0, num_layers, step):
             l1 = min(l0 + step, num_layers)
             piece = kv[:, l0:l1].index_select(2, pages).contiguous().cpu()
@@ -168,9 +210,10 @@ class PrefillSender(TransferAgent):
                 buf.nbytes,
                 P.checksum([buf]) if self.cfg.checksum else None,
             )
-            if self.cfg.test_corrupt_chunks and n == 0:
+            if corrupt and n == 0:  # 16 whole bytes: exponents too, so the damage is never benign
                 corrupted = bytearray(buf)
-                corrupted[len(corrupted) // 2] ^= 0xFF
+                mid = len(corrupted) // 2
+                corrupted[mid : mid + 16] = bytes(b ^ 0xFF for b in corrupted[mid : mid + 16])
                 buf = memoryview(corrupted)
             if not self._send(t.peer.conn, hdr, [buf]):
                 raise ConnectionError("connection to decode lost while sending KV")

@@ -63,6 +63,7 @@ class EngineStats(msgspec.Struct):
     batch_size: int
     num_tokens: int
     num_prefill: int = 0  # sequences of the step that were prefill chunks (the rest decoded)
+    pd_transfers: dict[str, int] | None = None  # PD roles: transfers per state (the agent's)
 
 
 class StepOutputs(msgspec.Struct, tag=True):

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import signal
+import sys
+import time
 
 import msgspec
 import zmq
@@ -15,6 +19,7 @@ from kvrelay.engine.messages import (
     EngineFailed,
     EngineReady,
     Shutdown,
+    StepOutputs,
     ToEngine,
 )
 
@@ -28,9 +33,21 @@ def setup_logging() -> None:
     )
 
 
+def die_with_parent() -> None:
+    """An engine outliving its API process (SIGKILLed) would keep its memory and its PD transfer
+    listener, which peers would still trust: on Linux the kernel kills us with our parent."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the kernel was told
+        os._exit(1)
+
+
 def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str) -> None:
     setup_logging()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop
+    die_with_parent()
     import torch
 
     threads = int(env("KVRELAY_CPU_THREADS"))
@@ -69,6 +86,7 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str) -> None:
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     idle_ms = 1000 if engine.agent is None else 5  # PD: transfer events arrive on other threads
+    last_stats, next_idle_stats = None, 0.0
     while True:
         engine.poll_transfers()
         timeout = 0 if engine.has_work else idle_ms
@@ -90,5 +108,17 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str) -> None:
                 return
         if engine.has_work:
             out = engine.step()
+            if out.stats is not None and engine.agent is not None:
+                out.stats.pd_transfers = engine.agent.state_counts()
             if out.outputs or out.stats:
                 outbox.send(enc.encode(out))
+                last_stats = out.stats
+        elif engine.agent is not None and time.monotonic() >= next_idle_stats:
+            # Transfer state also changes between steps (a reservation expires, a peer is dropped):
+            # while idle, refresh the API's gauges when anything changed.
+            next_idle_stats = time.monotonic() + 0.25
+            stats = engine.stats()
+            stats.pd_transfers = engine.agent.state_counts()
+            if stats != last_stats:
+                outbox.send(enc.encode(StepOutputs([], stats)))
+                last_stats = stats

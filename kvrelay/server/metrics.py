@@ -33,6 +33,9 @@ class Metrics:
         self.pd_failures = Counter(
             "kvrelay_pd_transfer_failures", "PD transfer failures by cause", ["cause"], registry=r
         )
+        self.pd_transfers = Gauge(
+            "kvrelay_pd_transfers", "PD transfers in flight by state", ["state"], registry=r
+        )
         self.errors = Counter(
             "kvrelay_request_errors", "requests answered with an error", ["status"], registry=r
         )
@@ -58,5 +61,7 @@ class Metrics:
         self.kv_used.set(s.kv_pages_used)
         self.kv_usage.set(s.kv_pages_used / max(s.kv_pages_total, 1))
         self.preemptions.set(s.num_preemptions)
+        for state, n in (s.pd_transfers or {}).items():
+            self.pd_transfers.labels(state=state).set(n)
         if s.batch_size:
             self.step.observe(s.step_ms / 1e3)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 from conftest import ServerProcess, free_port
@@ -71,45 +73,66 @@ class RouterProcess:
         self._log.close()
 
 
+def metrics(url: str) -> dict[str, float]:
+    """A server's /metrics as {"name{labels}": value}."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def pd_gauges(url: str) -> dict[str, float]:
+    """The per-state transfer gauges of a prefill or decode server."""
+    return {k: v for k, v in metrics(url).items() if k.startswith("kvrelay_pd_transfers{")}
+
+
+@contextmanager
+def _engine_threads():
+    # One torch thread per engine: prefill and decode share the test machine's cores with the
+    # single server, and oversubscribed intra-op threads slow everyone down many times over.
+    saved = os.environ.get("KVRELAY_CPU_THREADS")
+    os.environ["KVRELAY_CPU_THREADS"] = os.environ.get("KVRELAY_PD_TEST_CPU_THREADS", "1")
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("KVRELAY_CPU_THREADS", None)
+        else:
+            os.environ["KVRELAY_CPU_THREADS"] = saved
+
+
 class PDStack:
     def __init__(
         self,
         prefill_args: tuple[str, ...] = (),
         decode_args: tuple[str, ...] = (),
         router_args: tuple[str, ...] = (),
+        max_total_tokens: int = 16384,
     ) -> None:
-        common = ("--model", "smollm2", "--max-total-tokens", "16384")
+        common = ("--model", "smollm2", "--max-total-tokens", str(max_total_tokens))
         self.decode = self.prefill = self.router = None
-        # One torch thread per engine: prefill and decode share the test machine's cores with the
-        # single server, and oversubscribed intra-op threads slow everyone down many times over.
-        threads = os.environ.get("KVRELAY_PD_TEST_CPU_THREADS", "1")
-        saved = os.environ.get("KVRELAY_CPU_THREADS")
-        os.environ["KVRELAY_CPU_THREADS"] = threads
-        try:
-            with ThreadPoolExecutor(2) as ex:  # the two servers load their models in parallel
-                fd = ex.submit(
-                    ServerProcess,
-                    *common,
-                    "--role",
-                    "decode",
-                    "--max-num-batched-tokens",
-                    "512",
-                    *decode_args,
-                )
-                fp = ex.submit(
-                    ServerProcess,
-                    *common,
-                    "--role",
-                    "prefill",
-                    "--max-num-batched-tokens",
-                    "64",
-                    *prefill_args,
-                )
-        finally:
-            if saved is None:
-                os.environ.pop("KVRELAY_CPU_THREADS", None)
-            else:
-                os.environ["KVRELAY_CPU_THREADS"] = saved
+        with _engine_threads(), ThreadPoolExecutor(2) as ex:  # the two load in parallel
+            fd = ex.submit(
+                ServerProcess,
+                *common,
+                "--role",
+                "decode",
+                "--max-num-batched-tokens",
+                "512",
+                *decode_args,
+            )
+            fp = ex.submit(
+                ServerProcess,
+                *common,
+                "--role",
+                "prefill",
+                "--max-num-batched-tokens",
+                "64",
+                *prefill_args,
+            )
         try:
             self.decode, self.prefill = fd.result(), fp.result()
             self.router = RouterProcess([self.prefill.url], [self.decode.url], *router_args)
@@ -121,26 +144,66 @@ class PDStack:
                 self.router.close()
             raise
 
-    def wait_idle(self, timeout: float = 20.0) -> None:
-        """KV pages and running requests back to 0 on both sides."""
-        deadline = time.time() + timeout
+    def idle_values(self) -> dict[tuple[str, str], float]:
+        """What must be 0 on both sides when nothing is in flight: KV pages, requests and the
+        per-state transfer gauges (each side reports every state it has, so none can hide)."""
+        vals = {}
+        for side, srv in (("prefill", self.prefill), ("decode", self.decode)):
+            m = metrics(srv.url)
+            gauges = [k for k in m if k.startswith("kvrelay_pd_transfers{")]
+            assert gauges, f"{side} reports no per-state transfer gauges"
+            for k in (
+                "kvrelay_kv_pages_used",
+                "kvrelay_num_requests_running",
+                "kvrelay_num_requests_waiting",
+                *gauges,
+            ):
+                vals[(side, k)] = m[k]
+        return vals
+
+    def wait_idle(self, timeout: float = 20.0) -> float:
+        """Wait until `idle_values` are all 0; returns the seconds it took."""
+        start = time.time()
         while True:
-            vals = {
-                (s, m): srv.metric(m)
-                for s, srv in (("prefill", self.prefill), ("decode", self.decode))
-                for m in (
-                    "kvrelay_kv_pages_used",
-                    "kvrelay_num_requests_running",
-                    "kvrelay_num_requests_waiting",
-                )
-            }
+            vals = self.idle_values()
             if not any(vals.values()):
-                return
-            if time.time() > deadline:
-                raise AssertionError(f"not idle after {timeout}s: {vals}")
+                return time.time() - start
+            if time.time() - start > timeout:
+                busy = {k: v for k, v in vals.items() if v}
+                raise AssertionError(f"not idle after {timeout}s: {busy}")
             time.sleep(0.2)
+
+    def kill(self, side: str) -> float:
+        """SIGKILL one server's API process, as an operator or the OOM killer would; its engine
+        must follow on its own. Returns when both are gone: the time of the kill."""
+        srv = getattr(self, side)
+        engine = srv.engine_pid()
+        t = time.time()
+        srv.proc.send_signal(signal.SIGKILL)
+        srv.proc.wait(timeout=10)
+        deadline = time.time() + 10
+        while _alive(engine):
+            assert time.time() < deadline, f"{side} engine {engine} outlived its API process"
+            time.sleep(0.05)
+        return t
+
+    def restart(self, side: str, *args: str) -> None:
+        """Start a server again on the same port (stopping it first if it runs), with the same
+        arguments plus `args` (argparse: a later flag wins)."""
+        old = getattr(self, side)
+        old.close()
+        with _engine_threads():
+            setattr(self, side, ServerProcess(*old.args, *args, port=old.port))
 
     def close(self) -> None:
         for p in (self.router, self.prefill, self.decode):
             if p is not None:
                 p.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"  # a zombie is dead, just not reaped
+    except FileNotFoundError:
+        return False

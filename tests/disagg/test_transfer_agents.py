@@ -156,7 +156,7 @@ def _assert_failed(pair: Pair, rid: str, side: str, cause: str) -> None:
 
 
 def test_corrupt_bytes_are_never_installed(make_pair):
-    pr = make_pair(_engine("prefill", test_corrupt_chunks=True), _engine("decode"))
+    pr = make_pair(_engine("prefill", test_corrupt_p=1.0), _engine("decode"))
     pr.submit("c1", _prompts()[4])
     pr.pump(lambda: pr.finished("decode", "c1") and pr.finished("prefill", "c1"))
     _assert_failed(pr, "c1", "decode", Cause.CHECKSUM)
