@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -83,7 +84,7 @@ def _resolve_dsv4_dir(path: str) -> ModelSource:
     except FileNotFoundError:
         log.warning("no tokenizer path=%s: token ids only", path)
         return ModelSource(name, "hf", path, cfg, "", None)
-    tok = gguf_reader.read_config(gguf_reader.open_gguf(g))
+    tok = _gguf_config(g)
     if tok.vocab_size > cfg.vocab_size:
         log.warning(
             "borrowed tokenizer is larger than the checkpoint vocab tokenizer_vocab=%d "
@@ -96,6 +97,12 @@ def _resolve_dsv4_dir(path: str) -> ModelSource:
     )
     log.info("no tokenizer files path=%s: borrowing the embedded tokenizer %s", path, g)
     return ModelSource(name, "hf", path, cfg, os.path.dirname(g), os.path.basename(g))
+
+
+@functools.cache
+def _gguf_config(path: str) -> ModelConfig:
+    # Parsing a GGUF takes seconds; the embedded file never changes while we run.
+    return gguf_reader.read_config(gguf_reader.open_gguf(path))
 
 
 def _resolve_dummy(model: str) -> ModelSource:
