@@ -366,7 +366,8 @@ class Dsv4Checkpoint:
         """(model name, tensor) for every weight: quantized ones dequantized to `dtype`, others
         as stored; native routed experts fused into `experts.gate_up_proj` / `down_proj`.
 
-        tp = (rank, world) yields only that rank's part (rules in `dsv4_shard`). Unknown
+        tp = (rank, world) yields only that rank's part (rules in `dsv4_shard`); each rank
+        still reads and dequantizes whole tensors (reading only its slice comes with TP). Unknown
         `mtp.*` names are skipped with a warning (the MTP block is optional); any other unknown
         name raises `CheckpointError`.
         """

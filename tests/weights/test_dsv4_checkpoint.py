@@ -275,6 +275,37 @@ def test_missing_or_unknown_tensors_raise(dirs, tmp_path) -> None:
         build_model(resolve(str(tmp_path / "b")), torch.float32, torch.device("cpu"))
 
 
+def test_hf_names_with_fp8_and_mxfp4_tensors(original, tmp_path) -> None:
+    """HF-named quantized checkpoint: `.weight_scale_inv` (float32 multipliers here) beside FP8
+    weights, fused experts as packed MXFP4 with `gate_up_proj_scale_inv` / `down_proj_scale_inv`."""
+    tensors = {}
+    for name, t in original.state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name], tensors[name + "_scale_inv"] = quantize_mxfp4(t)
+        elif FP8.fullmatch(name):
+            q, scale = quantize_fp8_block(t, scale_format="float32")
+            tensors[name], tensors[name[: -len("weight")] + "weight_scale_inv"] = q, scale
+        else:
+            tensors[name] = t
+    save_safetensors(tensors, str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(CFG.to_hf_dict()))
+    model = build_model(resolve(str(tmp_path)), torch.float32, torch.device("cpu"))
+    own = model.state_dict()
+    for name, t in original.state_dict().items():
+        fused = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        want = _mxfp4(t) if fused else _fp8(t) if FP8.fullmatch(name) else t
+        assert torch.equal(own[name], want), name
+    with Dsv4Checkpoint(str(tmp_path)) as ckpt:
+        assert (ckpt.format.naming, ckpt.format.linears, ckpt.format.experts) == (
+            "hf",
+            "fp8_block",
+            "mxfp4",
+        )
+        gate_up, down = ckpt.packed_experts(2).dequantize(torch.float32)
+    assert torch.equal(gate_up, own["model.layers.2.mlp.experts.gate_up_proj"])
+    assert torch.equal(down, own["model.layers.2.mlp.experts.down_proj"])
+
+
 def test_dense_directories_are_not_dsv4(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     assert not is_dsv4_dir(str(tmp_path))
