@@ -220,13 +220,13 @@ def test_hf_checkpoint_without_mtp_loads(ckpt: Path) -> None:
 # --------------------------------------------------------------------------------------------
 def test_config_roundtrips_through_hf() -> None:
     for name in ("dsv4-tiny", "dsv4-mini", "dsv4-flash"):
-        cfg = preset(name)
+        cfg = preset(name).with_(expert_format="dense")  # a serving choice, not in HF's config
         hf_cfg = transformers.DeepseekV4Config(**cfg.to_hf_dict())
         assert DeepseekV4Config.from_dict(hf_cfg.to_dict()) == cfg
 
 
 def test_flash_config_json_forms() -> None:
-    flash = preset("dsv4-flash")
+    flash = preset("dsv4-flash").with_(expert_format="dense")  # not part of config.json
     ratios = [0, 0] + [4, 128] * 20 + [4, 0]  # 43 layers + the MTP slot
     hf_json = {
         "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",

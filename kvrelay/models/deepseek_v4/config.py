@@ -70,6 +70,9 @@ class DeepseekV4Config:
     # FP4 index keys/queries (Hadamard, e2m1, block 32) in the forward (QAT numerics). HF
     # transformers does not; turn this off to compare with it.
     qat_simulation: bool = True
+    # How the routed experts are held in memory: dense in the model dtype, or packed NVFP4
+    # (dequantized per expert on use). A serving choice, not part of HF's config.
+    expert_format: str = "dense"
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -88,6 +91,8 @@ class DeepseekV4Config:
             raise ValueError("qk_rope_head_dim must be even and fit in head_dim and index_head_dim")
         if (self.num_attention_heads * self.head_dim) % self.o_groups:
             raise ValueError("num_attention_heads * head_dim must divide into o_groups")
+        if self.expert_format not in ("dense", "nvfp4"):
+            raise ValueError(f"unknown expert_format {self.expert_format!r} (dense | nvfp4)")
         if self.scoring_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
             raise ValueError(f"unknown scoring_func {self.scoring_func!r}")
         if self.qat_simulation:
@@ -407,10 +412,11 @@ _FLASH = DeepseekV4Config()
 
 PRESETS: dict[str, DeepseekV4Config] = {
     # The real DeepSeek-V4-Flash shape (284B total, 13B active).
-    "dsv4-flash": _FLASH,
+    "dsv4-flash": _FLASH.with_(expert_format="nvfp4"),
     # Flash's per-layer shapes with 20 layers (2 sliding, then CSA/HCA interleaved): one H200
     # holds it with FP4 experts.
     "dsv4-mini": _FLASH.with_(
+        expert_format="nvfp4",
         num_hidden_layers=20,
         layer_types=(SLIDING, SLIDING) + (CSA, HCA) * 9,
         mlp_layer_types=(HASH_MOE,) * 3 + (MOE,) * 17,

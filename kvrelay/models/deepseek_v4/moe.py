@@ -8,14 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrelay.models.deepseek_v4.config import DeepseekV4Config
+from kvrelay.models.deepseek_v4.experts import clamped_swiglu, make_experts
 from kvrelay.models.deepseek_v4.precision import wide, wide_dtype
-
-
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """silu(min(gate, limit)) * clamp(up, -limit, limit); limit <= 0 disables the clamp."""
-    if limit > 0:
-        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    return F.silu(gate) * up
 
 
 class Router(nn.Module):
@@ -58,27 +52,6 @@ class Router(nn.Module):
         return weights * self.routed_scaling_factor, idx
 
 
-class Experts(nn.Module):
-    """All routed experts as stacked weights (HF layout: gate and up fused, gate first)."""
-
-    def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
-        self.limit = config.swiglu_limit
-        self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h, dtype=dtype))
-        self.down_proj = nn.Parameter(torch.zeros(e, h, i, dtype=dtype))
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=weights.dtype, device=x.device)
-        for e in idx.unique().tolist():
-            tok, slot = torch.nonzero(idx == e, as_tuple=True)
-            gate, up = wide(F.linear(x[tok], self.gate_up_proj[e])).chunk(2, dim=-1)
-            # the reference scales by the routing weight before the down projection
-            act = clamped_swiglu(gate, up, self.limit) * weights[tok, slot][:, None]
-            out.index_add_(0, tok, wide(F.linear(act.to(x.dtype), self.down_proj[e])).to(out.dtype))
-        return out
-
-
 class SharedExpert(nn.Module):
     def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -99,7 +72,7 @@ class MoE(nn.Module):
     ) -> None:
         super().__init__()
         self.gate = Router(config, hash_routed, dtype)
-        self.experts = Experts(config, dtype)
+        self.experts = make_experts(config, dtype)
         self.shared_experts = SharedExpert(config, dtype)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
