@@ -262,7 +262,7 @@ def _check_response(r, stream_msg: dict | None = None) -> None:
         assert _message(c.message.model_dump()) == stream_msg
 
 
-def _chat(client, model: str, stream: bool, max_tokens: int = 16, **kw):
+def _chat(client, model: str, stream: bool, max_tokens: int = 8, **kw):
     args = dict(model=model, max_tokens=max_tokens, temperature=0, **kw)
     if not stream:
         return client.chat.completions.create(**args), None
@@ -302,20 +302,19 @@ def dsv4_server():
     s.close()
 
 
-@pytest.mark.parametrize("thinking", [False, True], ids=["chat", "thinking"])
-def test_dsv4_tiny_chat_and_tools(dsv4_server, thinking: bool) -> None:
+def test_dsv4_tiny_chat_and_tools(dsv4_server) -> None:
     """Random weights emit no DSML: this shows the route end to end; the parse is unit-tested."""
     client = openai.OpenAI(base_url=dsv4_server.url + "/v1", api_key="unused", max_retries=0)
-    extra = {"chat_template_kwargs": {"thinking": True}} if thinking else {}
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
-    for tools in ({}, {"tools": TOOLS}):
-        kw = dict(messages=msgs, extra_body=extra, max_tokens=8, **tools)
-        whole, _ = _chat(client, "dsv4-tiny", False, **kw)
-        streamed, acc = _chat(client, "dsv4-tiny", True, **kw)
+    thinking = {"chat_template_kwargs": {"thinking": True}}
+    for kw in ({}, {"tools": TOOLS, "extra_body": thinking}):
+        whole, _ = _chat(client, "dsv4-tiny", False, messages=msgs, **kw)
+        streamed, acc = _chat(client, "dsv4-tiny", True, messages=msgs, **kw)
         _check_response(whole, acc)  # greedy: the stream accumulates to the whole message
         _check_response(streamed)
-        assert ("reasoning_content" in whole.choices[0].message.model_extra) == thinking
-    # A tool-call round trip: the call and its result are encoded into the prompt.
+        extra = whole.choices[0].message.model_extra
+        assert ("reasoning_content" in extra) == ("extra_body" in kw)
+    # A tool-call round trip in chat mode: the call and its result are encoded into the prompt.
     history = [
         *msgs,
         {"role": "assistant", "content": "", "tool_calls": [
@@ -323,6 +322,6 @@ def test_dsv4_tiny_chat_and_tools(dsv4_server, thinking: bool) -> None:
              "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
     ]  # fmt: skip
-    r, _ = _chat(client, "dsv4-tiny", False, messages=history, tools=TOOLS, extra_body=extra)
+    r, _ = _chat(client, "dsv4-tiny", False, messages=history, tools=TOOLS)
     _check_response(r)
     assert r.usage.prompt_tokens > whole.usage.prompt_tokens
