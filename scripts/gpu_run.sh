@@ -1,6 +1,7 @@
 #!/bin/bash
-# One batched GPU session (device tool): install the carried wheels, run the GPU tests and the
-# benchmarks, print a short table. Usage: scripts/gpu_run.sh [pytest paths...]
+# One batched GPU session (device tool): install the carried wheels, run the benchmarks named in
+# BENCHES (default: dsv4; also: decode), then the GPU tests, print short tables.
+# Usage: BENCHES="decode dsv4" scripts/gpu_run.sh [pytest paths...]
 set -o pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -10,5 +11,10 @@ if [ -d .whl ]; then
 fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
-python3 benchmarks/decode_throughput.py --steps 20 --out "$OUT/decode_throughput.json" 2>&1 | tee "$OUT/decode_throughput.log" | grep -v Warning | tail -20
-python3 -m pytest -q -m gpu -p no:cacheprovider ${@:-tests/gpu/test_triton_pointwise.py tests/gpu/test_engine_gpu.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+for b in ${BENCHES:-dsv4}; do
+  case $b in
+    decode) python3 benchmarks/decode_throughput.py --steps 20 --out "$OUT/decode_throughput.json" 2>&1 | tee "$OUT/decode_throughput.log" | grep -v Warning | tail -20 ;;
+    dsv4) python3 benchmarks/dsv4_reference.py --out "$OUT/dsv4_reference.json" 2>&1 | tee "$OUT/dsv4_reference.log" | grep -v Warning | tail -20 ;;
+  esac
+done
+python3 -m pytest -q -m gpu -p no:cacheprovider ${@:-tests/gpu} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15

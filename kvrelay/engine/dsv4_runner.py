@@ -36,6 +36,7 @@ class DeepseekV4Runner:
             cfg.cache.index_k_dtype,
         )  # fmt: skip
         self.allocator = PageAllocator(num_pages)
+        self.layer_hook = None  # benchmarks: called before each layer (and after the last)
         # Admission keeps running requests <= max_running_requests, so a slot is always free.
         self.state_slots = PageAllocator(num_slots)
         pool_tokens = (num_pages - 1) * self.page_size
@@ -78,4 +79,5 @@ class DeepseekV4Runner:
                 sample_rows.append(rows.stop - 1)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         rows_t = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        return forward_paged(self.model, input_ids, seqs, self.cache, rows_t).float()
+        logits = forward_paged(self.model, input_ids, seqs, self.cache, rows_t, self.layer_hook)
+        return logits.float()

@@ -8,6 +8,7 @@ model computes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,8 +41,10 @@ def forward_paged(
     seqs: list[PagedSequence],
     cache: PagedCache,
     sample_rows: torch.Tensor,
+    on_layer: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
-    """input_ids: [T], the sequences' new tokens back to back -> logits [len(sample_rows), V]."""
+    """input_ids: [T], the sequences' new tokens back to back -> logits [len(sample_rows), V].
+    `on_layer(i)` runs before layer i and once more after the last (benchmarks time layers)."""
     m = model.model
     x = m.embed_tokens(input_ids)
     streams = x[:, None, :].expand(-1, m.config.hc_mult, -1).contiguous()
@@ -56,6 +59,10 @@ def forward_paged(
                 outs.append(out)
             return torch.cat(outs)
 
+        if on_layer is not None:
+            on_layer(i)
         streams = layer.run(streams, input_ids, attend)
+    if on_layer is not None:
+        on_layer(len(m.layers))
     hidden = m.norm(m.hc_head(streams[sample_rows]))
     return model.lm_head(hidden)
