@@ -49,6 +49,7 @@ class TransferAgent:
         self.layout = layout_fingerprint(engine)
         self.events: queue.Queue[Event] = queue.Queue()
         self.addr = ""
+        self.failure_counts: dict[str, int] = {}  # cause -> failed transfers since start
         # Liveness runs on its own thread: a peer whose process is alive but whose engine is busy in a
         # long forward still answers; a peer that went silent (host gone, network cut) is dropped.
         self._live: dict[Connection, float] = {}  # connection -> when it last sent us anything
@@ -117,7 +118,13 @@ class TransferAgent:
         except ConnectionError:
             return False
 
+    def _count_failure(self, cause: str) -> None:
+        # Counted here, where it happens: the API may have dropped the request already (the router
+        # cancelled it), and the failure must still show in /metrics.
+        self.failure_counts[cause] = self.failure_counts.get(cause, 0) + 1
+
     def _emit_failure(self, rid: str, tid: str, cause: str, message: str, state: str) -> None:
+        self._count_failure(cause)
         log.warning(
             "transfer failed rid=%s transfer_id=%s role=%s state=%s cause=%s message=%s",
             rid,

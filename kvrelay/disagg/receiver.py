@@ -130,6 +130,7 @@ class DecodeReceiver(TransferAgent):
         for t in list(self.transfers.values()):
             if t.req.rid == rid:
                 self._drop(t)
+                self._count_failure(P.Cause.ABORTED)
                 self._send(
                     t.conn, P.Failure(t.pd.transfer_id, P.Cause.ABORTED, "aborted on decode")
                 )

@@ -224,6 +224,7 @@ class PrefillSender(TransferAgent):
         t = self.transfers.pop(rid, None)
         if t is None:
             return False
+        self._count_failure(P.Cause.ABORTED)
         if t.peer is not None:
             self._send(
                 t.peer.conn, P.Failure(t.pd.transfer_id, P.Cause.ABORTED, "aborted on prefill")

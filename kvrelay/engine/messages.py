@@ -64,6 +64,7 @@ class EngineStats(msgspec.Struct):
     num_tokens: int
     num_prefill: int = 0  # sequences of the step that were prefill chunks (the rest decoded)
     pd_transfers: dict[str, int] | None = None  # PD roles: transfers per state (the agent's)
+    pd_failures: dict[str, int] | None = None  # PD roles: failed transfers by cause, since start
 
 
 class StepOutputs(msgspec.Struct, tag=True):

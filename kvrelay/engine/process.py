@@ -18,6 +18,7 @@ from kvrelay.engine.messages import (
     AddRequest,
     EngineFailed,
     EngineReady,
+    EngineStats,
     Shutdown,
     StepOutputs,
     ToEngine,
@@ -42,6 +43,12 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before the kernel was told
         os._exit(1)
+
+
+def _add_pd_stats(stats: EngineStats, agent) -> EngineStats:
+    stats.pd_transfers = agent.state_counts()
+    stats.pd_failures = dict(agent.failure_counts)
+    return stats
 
 
 def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str) -> None:
@@ -109,7 +116,7 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str) -> None:
         if engine.has_work:
             out = engine.step()
             if out.stats is not None and engine.agent is not None:
-                out.stats.pd_transfers = engine.agent.state_counts()
+                _add_pd_stats(out.stats, engine.agent)
             if out.outputs or out.stats:
                 outbox.send(enc.encode(out))
                 last_stats = out.stats
@@ -117,8 +124,7 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str) -> None:
             # Transfer state also changes between steps (a reservation expires, a peer is dropped):
             # while idle, refresh the API's gauges when anything changed.
             next_idle_stats = time.monotonic() + 0.25
-            stats = engine.stats()
-            stats.pd_transfers = engine.agent.state_counts()
+            stats = _add_pd_stats(engine.stats(), engine.agent)
             if stats != last_stats:
                 outbox.send(enc.encode(StepOutputs([], stats)))
                 last_stats = stats

@@ -60,8 +60,7 @@ class Generation:
                 if out.error:
                     if out.finish_reason == "rejected":
                         raise APIError(400, out.error)
-                    if out.cause:
-                        self.metrics.pd_failures.labels(cause=out.cause).inc()
+                    if out.cause:  # counted by the engine's transfer agent (see Metrics)
                         raise APIError(
                             pd_status(out.cause), out.error, "server_error", code=out.cause
                         )

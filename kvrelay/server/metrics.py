@@ -33,6 +33,7 @@ class Metrics:
         self.pd_failures = Counter(
             "kvrelay_pd_transfer_failures", "PD transfer failures by cause", ["cause"], registry=r
         )
+        self._pd_failures_seen: dict[str, int] = {}  # the engine sends totals since its start
         self.pd_transfers = Gauge(
             "kvrelay_pd_transfers", "PD transfers in flight by state", ["state"], registry=r
         )
@@ -63,5 +64,10 @@ class Metrics:
         self.preemptions.set(s.num_preemptions)
         for state, n in (s.pd_transfers or {}).items():
             self.pd_transfers.labels(state=state).set(n)
+        for cause, total in (s.pd_failures or {}).items():
+            new = total - self._pd_failures_seen.get(cause, 0)
+            if new > 0:
+                self.pd_failures.labels(cause=cause).inc(new)
+                self._pd_failures_seen[cause] = total
         if s.batch_size:
             self.step.observe(s.step_ms / 1e3)

@@ -84,6 +84,15 @@ def _transfers(url: str, *states: str) -> float:
     return sum(v for k, v in g.items() if any(f'state="{s}"' in k for s in states))
 
 
+def _new_failures(url: str, before: dict[str, float], name: str) -> dict[str, float]:
+    """Failures by cause counted by a server since `before` (a `metrics` snapshot)."""
+    return {
+        k.split('"')[1]: v - before.get(k, 0.0)
+        for k, v in metrics(url).items()
+        if k.startswith(name + "{") and v > before.get(k, 0.0)
+    }
+
+
 def _recovers(stack: PDStack, n: int = 32) -> None:
     """The next n requests (mixed streaming, varied prompts) all succeed."""
     prompts = [f"Count from {i}: {i}, {i + 1}," for i in range(n)]
@@ -163,7 +172,7 @@ def test_client_disconnect_before_the_first_token_frees_everything(stack):
 
 
 def test_decode_killed_mid_transfer_then_restarted_alone(stack):
-    router_before = metrics(stack.router.url)
+    router_before, prefill_before = metrics(stack.router.url), metrics(stack.prefill.url)
     outs, t_kill = _in_flight_then(
         stack,
         400,  # no request can finish before the kill
@@ -189,13 +198,11 @@ def test_decode_killed_mid_transfer_then_restarted_alone(stack):
     ) or _transfers(stack.prefill.url, "bootstrapping", "prefilling", "sending"):
         assert time.time() < deadline, f"prefill still holds state: {pd_gauges(stack.prefill.url)}"
         time.sleep(0.2)
-    router_after = metrics(stack.router.url)
-    counted = sum(
-        router_after.get(k, 0) - router_before.get(k, 0)
-        for k in router_after
-        if k.startswith("kvrelay_router_failures_total{")
-    )
-    assert counted >= len(failed)
+    routed = _new_failures(stack.router.url, router_before, "kvrelay_router_failures_total")
+    assert sum(routed.values()) >= len(failed), routed
+    lost = _new_failures(stack.prefill.url, prefill_before, "kvrelay_pd_transfer_failures_total")
+    print(f"failures counted: router {routed}, prefill {lost}")
+    assert lost and set(lost) <= {"peer_connection_lost", "aborted"}, lost
 
     t = time.time()
     stack.restart("decode")
@@ -205,7 +212,7 @@ def test_decode_killed_mid_transfer_then_restarted_alone(stack):
 
 
 def test_prefill_killed_mid_transfer_then_restarted_alone(stack):
-    router_before = metrics(stack.router.url)
+    router_before, decode_before = metrics(stack.router.url), metrics(stack.decode.url)
     outs, t_kill = _in_flight_then(
         stack,
         24,
@@ -237,14 +244,11 @@ def test_prefill_killed_mid_transfer_then_restarted_alone(stack):
             break
         assert time.time() < deadline, f"decode still holds state: {pd_gauges(stack.decode.url)}"
         time.sleep(0.2)
-    router_after = metrics(stack.router.url)
-    lost = router_after.get('kvrelay_router_failures_total{cause="prefill_unreachable"}', 0)
-    lost -= router_before.get('kvrelay_router_failures_total{cause="prefill_unreachable"}', 0)
-    assert lost >= 1
-    decode_lost = metrics(stack.decode.url).get(
-        'kvrelay_pd_transfer_failures_total{cause="peer_connection_lost"}', 0
-    )
-    print(f"decode counted {decode_lost:.0f} transfers lost with the prefill")
+    routed = _new_failures(stack.router.url, router_before, "kvrelay_router_failures_total")
+    assert routed.get("prefill_unreachable", 0) >= 1, routed
+    lost = _new_failures(stack.decode.url, decode_before, "kvrelay_pd_transfer_failures_total")
+    print(f"failures counted: router {routed}, decode {lost}")
+    assert lost and set(lost) <= {"peer_connection_lost", "aborted"}, lost
 
     t = time.time()
     stack.restart("prefill")

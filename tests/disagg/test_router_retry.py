@@ -1,0 +1,140 @@
+"""The router's retry rule against scripted servers (no processes): a failed attempt is retried on
+a fresh pair only while nothing was streamed to the client; once it has been, a broken decode
+stream ends in an SSE error event instead."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import defaultdict
+
+import httpx
+from fastapi.responses import StreamingResponse
+
+from kvrelay.config import RouterConfig
+from kvrelay.disagg.router import Router
+
+BODY = {"model": "m", "prompt": "hi", "max_tokens": 3, "stream": True}
+
+
+def _event(text: str) -> bytes:
+    return f"data: {json.dumps({'choices': [{'text': text}]})}\n\n".encode()
+
+
+def _error(code: str) -> bytes:
+    return f"data: {json.dumps({'error': {'message': code, 'code': code}})}\n\n".encode()
+
+
+class Servers:
+    """Scripted prefill and decode servers behind one mock transport. `prefill_fails` names the
+    prefill hosts that fail their transfer (their decode answers with that cause as its first
+    event, as a real decode does); `decode_breaks` makes decode's stream break after one event."""
+
+    def __init__(self, prefill_fails=(), decode_breaks=False, first_error: str | None = None):
+        self.prefill_fails, self.decode_breaks, self.first_error = (
+            set(prefill_fails),
+            decode_breaks,
+            first_error,
+        )
+        self.calls: dict[str, int] = defaultdict(int)
+        self.prefill_done: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        self.failed: set[str] = set()
+        self.info_version = 0
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        self.calls[(host, request.url.path)] += 1
+        if request.url.path == "/pd/info":
+            role = "prefill" if host.startswith("p") else "decode"
+            addr = f"{host}:{9000 + self.info_version}"
+            return httpx.Response(
+                200, json={"role": role, "instance_id": addr, "transfer_addr": addr}
+            )
+        pd = json.loads(request.content)["kvrelay_pd"]
+        tid = pd["transfer_id"]
+        if pd["role"] == "prefill":
+            if host in self.prefill_fails:
+                self.failed.add(tid)
+            self.prefill_done[tid].set()
+            return httpx.Response(200, json={"choices": []})
+        await self.prefill_done[tid].wait()  # decode's answer depends on how the transfer went
+
+        async def stream():
+            if tid in self.failed:
+                yield _error("peer_connection_lost")
+                return
+            if self.first_error:
+                yield _error(self.first_error)
+                return
+            yield _event("a")
+            if self.decode_breaks:
+                raise httpx.ReadError("decode died")
+            yield _event("b")
+            yield b"data: [DONE]\n\n"
+
+        return httpx.Response(200, content=stream(), headers={"content-type": "text/event-stream"})
+
+
+def _router(servers: Servers, max_attempts: int = 2) -> Router:
+    r = Router(
+        RouterConfig(
+            prefill=("http://p1", "http://p2"), decode=("http://d1",), max_attempts=max_attempts
+        )
+    )
+    r.client = httpx.AsyncClient(transport=httpx.MockTransport(servers))
+    return r
+
+
+async def _route(r: Router) -> tuple[int, str]:
+    resp = await r.route("/v1/completions", dict(BODY))
+    if isinstance(resp, StreamingResponse):
+        text = "".join([c async for c in resp.body_iterator])
+        await resp.background()
+        return resp.status_code, text
+    return resp.status_code, resp.body.decode()
+
+
+def _metric(r: Router, name: str, labels: dict | None = None) -> float:
+    return r.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_failure_before_anything_streamed_is_retried_on_a_fresh_pair():
+    servers = Servers(prefill_fails={"p1"})
+    r = _router(servers)
+    status, text = asyncio.run(_route(r))
+    assert status == 200 and '"a"' in text and '"b"' in text and "error" not in text
+    assert text.count('"a"') == 1  # the failed attempt put nothing in front of the client
+    assert servers.calls[("p1", "/v1/completions")] == 1
+    assert servers.calls[("p2", "/v1/completions")] == 1  # the retry went to the other prefill
+    assert servers.calls[("d1", "/v1/completions")] == 2
+    assert _metric(r, "kvrelay_router_retries_total") == 1
+    assert _metric(r, "kvrelay_router_failures_total", {"cause": "peer_connection_lost"}) == 1
+
+
+def test_failure_after_streaming_began_is_an_sse_error_not_a_retry():
+    servers = Servers(decode_breaks=True)
+    r = _router(servers)
+    status, text = asyncio.run(_route(r))
+    events = [json.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: {")]
+    assert status == 200
+    assert events[0]["choices"][0]["text"] == "a"
+    assert events[-1]["error"]["code"] == "stream_broken"
+    assert servers.calls[("d1", "/v1/completions")] == 1  # no second attempt
+    assert _metric(r, "kvrelay_router_retries_total") == 0
+    assert _metric(r, "kvrelay_router_failures_total", {"cause": "stream_broken"}) == 1
+
+
+def test_first_event_error_keeps_its_status_and_pair_info_is_fetched_again():
+    """A timeout reported as decode's first event is a 504 (nothing was streamed yet); after a
+    failed attempt the router asks the pair for /pd/info again (a restarted decode has a new
+    transfer address), even with one attempt per request."""
+    servers = Servers(first_error="transfer_timeout")
+    r = _router(servers, max_attempts=1)
+    status, text = asyncio.run(_route(r))
+    assert status == 504 and "transfer_timeout" in text
+    servers.first_error = None
+    servers.info_version = 1
+    status, _ = asyncio.run(_route(r))
+    assert status == 200
+    assert servers.calls[("d1", "/pd/info")] == 2
+    assert r.info["http://d1"].transfer_addr == "d1:9001"
