@@ -139,6 +139,8 @@ async def run_ab(cfg: ABConfig, progress: Progress | None = None) -> dict:
 def print_report(result: dict, out) -> None:
     cfg = result["config"]
     out.write(f"A: {cfg['url_a']}\nB: {cfg['url_b']}\n")
+    if result.get("change"):
+        out.write(f"B changes: {result['change']}\n")
     m = cfg["metric"]
     label = METRICS[m][0]
     out.write(f"{'trial':>5}  {'A ' + label:>18}  {'B ' + label:>18}  {'B/A - 1':>8}\n")
@@ -282,40 +284,47 @@ def cmd_ab(a: argparse.Namespace) -> int:
         except BenchError as e:
             sys.stderr.write(f"kvrelay ab: {e}\n")
             return 2
-        _record(a, cfg, result, started)
-    print_report(result, sys.stdout)
-    if not a.no_save:
-        from kvrelay.bench import report
+        _describe_sides(a, cfg, result)
+        print_report(result, sys.stdout)
+        if not a.no_save:
+            from kvrelay.bench import report
 
-        name = a.result_filename or time.strftime("kvrelay-ab-%Y%m%d-%H%M%S.json")
-        sys.stdout.write(f"wrote {report.write_json(result, Path(a.result_dir) / name)}\n")
+            name = a.result_filename or time.strftime("kvrelay-ab-%Y%m%d-%H%M%S.json")
+            sys.stdout.write(f"wrote {report.write_json(result, Path(a.result_dir) / name)}\n")
+        _record(a, cfg, result, started)  # while started servers still answer /server_info
     return 1 if result["failed"] else 0
 
 
-def _record(a: argparse.Namespace, cfg: ABConfig, result: dict, started: float) -> None:
-    """Into the ledger under B's configuration, with A's beside it and the decision, if any."""
-    from kvrelay.bench.cli import workload_label
-    from kvrelay.ledger.cli import save_run
+def _describe_sides(a: argparse.Namespace, cfg: ABConfig, result: dict) -> None:
+    """Both servers' /server_info and what B changes, into the result (while they still run)."""
     from kvrelay.ledger.configs import config_diff
     from kvrelay.ledger.record import fetch_server_info
+
+    info = {"a": fetch_server_info(cfg.url_a), "b": fetch_server_info(cfg.url_b)}
+    result["server_info"] = info
+    result["serve_args"] = {"a": a.a_serve, "b": a.b_serve}
+    result["change"] = (
+        a.change or config_diff(info["a"], info["b"]) or "no difference in /server_info"
+    )
+
+
+def _record(a: argparse.Namespace, cfg: ABConfig, result: dict, started: float) -> None:
+    """Into the ledger under B's configuration, with the decision, if any."""
+    from kvrelay.bench.cli import workload_label
+    from kvrelay.ledger.cli import save_run
     from kvrelay.ledger.store import Decision
 
-    info_a, info_b = fetch_server_info(cfg.url_a), fetch_server_info(cfg.url_b)
-    change = a.change or config_diff(info_a, info_b) or "no difference in /server_info"
-    result["change"] = change
-    if a.a_serve is not None or a.b_serve is not None:
-        result["serve_args"] = {"a": a.a_serve, "b": a.b_serve}
     decision = None
     if a.decide:
-        decision = Decision(a.decide, change, a.reason, result["verdict"])
+        decision = Decision(a.decide, result["change"], a.reason, result["verdict"])
     save_run(
         a,
         "ab",
-        result["config"] | {"a_server_info": info_a},
+        result["config"],
         result,
-        server_info=info_b,
+        server_info=result["server_info"]["b"],
         workload=f"{workload_label(cfg.workload)} c={cfg.concurrency} x{cfg.trials} [{cfg.metric}]",
-        headline=f"{result['verdict']} [{change}]",
+        headline=f"{result['verdict']} [{result['change']}]",
         started_at=started,
         status="errors" if result["failed"] else "ok",
         decision=decision,

@@ -1,7 +1,8 @@
 """Naming server configurations: a stable key, a readable label, and the difference of two.
 
-A configuration is what `GET /server_info` reports (engine and server settings, device, GPU),
-without where the server listens: the same settings on another port are the same configuration.
+A configuration is what `GET /server_info` reports (engine and server settings, the server's
+environment knobs, device, GPU), without where the server listens: the same settings on another
+port are the same configuration.
 """
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ import hashlib
 import json
 from dataclasses import asdict
 
-from kvrelay.config import ServerConfig
+from kvrelay.config import ENV_KNOBS, ServerConfig
 
-# Where a server listens, not how it serves.
-IGNORED = frozenset({"host", "port"})
+# Where a server listens or records, not how it serves.
+IGNORED = frozenset({"host", "port", "env.KVRELAY_LEDGER"})
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, object]:
@@ -29,8 +30,10 @@ def flatten(d: dict, prefix: str = "") -> dict[str, object]:
 
 
 def settings(info: dict) -> dict[str, object]:
-    """The flattened settings of a server_info (none for a server that reports none)."""
-    return {k: v for k, v in flatten(info.get("config") or {}).items() if k not in IGNORED}
+    """The flattened settings and environment knobs of a server_info (none for a server that
+    reports none)."""
+    flat = flatten(info.get("config") or {}) | flatten(info.get("env") or {}, "env.")
+    return {k: v for k, v in flat.items() if k not in IGNORED}
 
 
 def config_key(info: dict) -> str:
@@ -46,7 +49,9 @@ def config_key(info: dict) -> str:
 
 def non_defaults(info: dict) -> dict[str, object]:
     """The settings that differ from kvrelay's defaults."""
-    defaults = {k: v for k, v in flatten(asdict(ServerConfig())).items() if k not in IGNORED}
+    defaults = flatten(asdict(ServerConfig())) | {
+        f"env.{k.name}": k.default for k in ENV_KNOBS.values()
+    }
     return {k: v for k, v in settings(info).items() if defaults.get(k, object()) != v}
 
 

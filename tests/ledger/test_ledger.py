@@ -71,6 +71,12 @@ def test_run_stores_config_environment_and_results(tmp_path):
     assert r["config_key"] == configs.config_key(server_info(9000, max_num_batched_tokens=128))
     assert r["config_key"] != configs.config_key(server_info())
     assert configs.config_diff(server_info(), info) == "max_num_batched_tokens: 2048 -> 128"
+    # The server's environment knobs are part of its configuration (but not where it records).
+    knobs = server_info() | {"env": {"KVRELAY_CPU_THREADS": "2", "KVRELAY_LEDGER": "/a"}}
+    assert configs.config_label(knobs) == "smollm2 · cpu float32 · KVRELAY_CPU_THREADS=2"
+    assert configs.config_key(knobs) != configs.config_key(server_info())
+    moved = knobs | {"env": {"KVRELAY_CPU_THREADS": "2", "KVRELAY_LEDGER": "/b"}}
+    assert configs.config_key(knobs) == configs.config_key(moved)
 
 
 WRITER = """
