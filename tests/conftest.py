@@ -92,6 +92,14 @@ class ServerProcess:
         self._log.close()
 
 
+@pytest.fixture(autouse=True)
+def ledger(tmp_path, monkeypatch):
+    """Runs that tests record go to a ledger of their own, never the user's ~/.kvrelay."""
+    path = tmp_path / "ledger.db"
+    monkeypatch.setenv("KVRELAY_LEDGER", str(path))
+    return path
+
+
 @pytest.fixture(scope="session")
 def server():
     """The embedded SmolLM2 behind a real HTTP server, shared by the API tests."""

@@ -7,6 +7,7 @@ import argparse
 import json
 import random
 import socket
+import sqlite3
 from pathlib import Path
 
 import httpx
@@ -89,7 +90,7 @@ def check_png(path) -> None:
     assert img.shape[0] > 200 and img.shape[1] > 200
 
 
-def test_closed_loop_sweep(server, tmp_path):
+def test_closed_loop_sweep(server, tmp_path, ledger):
     n, out_len = 6, 4
     args = f"--input-len 64 --output-len {out_len} --concurrency 1,4 --num-prompts {n}"
     r = run_bench(server, tmp_path, args + " --slo ttft=600000,tpot=600000")
@@ -124,6 +125,14 @@ def test_closed_loop_sweep(server, tmp_path):
     assert fit["n"] >= 2 * n * (out_len - 1) // 4 and fit["batch_min"] == 1
     assert fit["batch_max"] > 1 and fit["a_ms"] is not None and fit["b_ms_per_seq"] is not None
     assert all(lv["step_fit"]["n"] > 0 and lv["steps_dropped"] == 0 for lv in r["levels"])
+    # The run is in the ledger with the server's configuration and the same results.
+    conn = sqlite3.connect(ledger)
+    (row,) = conn.execute("SELECT kind, workload, server_info, results FROM runs").fetchall()
+    conn.close()
+    assert row[:2] == ("bench", "random in=64 out=4 c=1,4")
+    info = json.loads(row[2])
+    assert info["config"]["engine"]["scheduler"]["max_num_batched_tokens"] == 128
+    assert json.loads(row[3])["step_fit"] == fit
     plots = [tmp_path / "run-latency.png", tmp_path / "run-throughput.png"]
     assert r["plots"] == [str(p) for p in plots]
     for p in plots:
