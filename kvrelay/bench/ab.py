@@ -98,7 +98,7 @@ def analyse(cfg: ABConfig, trials: list[dict]) -> dict:
 
 
 def verdict(metric: str, diff: dict | None, concurrency: int) -> str:
-    """'B is +12.8% ± 2.1% output tok/s at concurrency 64', or 'no significant difference: …'."""
+    """'B is +12.8% ± 2.1% output tok/s at concurrency 64 (better)', or 'no significant difference (…)'."""
     label, higher_better, _ = METRICS[metric]
     where = f"{label} at concurrency {concurrency}"
     if diff is None:
