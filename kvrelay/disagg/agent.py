@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass
 
 import msgspec
+import torch
 
 from kvrelay.disagg import protocol as P
 from kvrelay.disagg.transport import make_transport
@@ -31,6 +32,12 @@ class Event:
     payload: memoryview | None = None
     checksum_ok: bool = True
     reason: str = ""
+
+
+def token_slots(pages: list[int], start: int, end: int, page_size: int) -> torch.Tensor:
+    """Cache slots (page * page_size + offset) of tokens [start, end) of a request."""
+    tok = torch.arange(start, end)
+    return torch.tensor(pages, dtype=torch.long)[tok // page_size] * page_size + tok % page_size
 
 
 def layout_fingerprint(engine) -> str:

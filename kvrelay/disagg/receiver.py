@@ -1,8 +1,9 @@
 """Decode side: reserve pages, check every piece against the reservation, install it, then decode.
 
 Per request: RESERVED (pages held; waiting for prefill's ReserveRequest) -> RECEIVING (matched;
-chunks arriving, each checked: transfer id, request id, connection, cache kind, layer range,
-token range, size, checksum) -> DONE (installed; the request joins the scheduler with
+pieces arriving as prefill computes the prompt chunk by chunk, each checked: transfer id, request
+id, connection, cache kind, layer range, token range (continuing where that layer's KV ends),
+size, checksum) -> DONE (installed; the request joins the scheduler with
 num_computed = prompt length and the first token appended); any state -> FAILED (pages freed,
 prefill told, error output). A ReserveRequest that arrives before decode's own copy of the request
 waits as an orphan until that copy arrives or its deadline passes.
@@ -11,6 +12,7 @@ waits as an orphan until that copy arrives or its deadline passes.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -18,7 +20,7 @@ import torch
 
 from kvrelay.cache.page_allocator import pages_for
 from kvrelay.disagg import protocol as P
-from kvrelay.disagg.agent import Event, TransferAgent
+from kvrelay.disagg.agent import Event, TransferAgent, token_slots
 from kvrelay.disagg.protocol import TState
 from kvrelay.disagg.transport.base import Connection
 from kvrelay.engine.messages import RequestOutput, TokenLogprob
@@ -32,7 +34,7 @@ class DecodeTransfer:
     pd: P.PDParams
     sm: P.TransferStateMachine
     conn: Connection | None = None
-    layers: list[bool] = field(default_factory=list)
+    filled: list[int] = field(default_factory=list)  # per layer: prompt tokens installed
     num_chunks: int = 0
 
 
@@ -96,7 +98,7 @@ class DecodeReceiver(TransferAgent):
         eng, c = self.engine, self.cfg
         sched, alloc = eng.scheduler, eng.runner.allocator
         t = DecodeTransfer(req, pd, P.decode_machine(c.bootstrap_timeout_s, c.transfer_timeout_s))
-        t.layers = [False] * eng.src.config.num_layers
+        t.filled = [0] * eng.src.config.num_layers
         if pd.transfer_id in self.transfers:
             self._emit_failure(
                 req.rid, pd.transfer_id, P.Cause.IDENTITY, "duplicate transfer id", "new"
@@ -226,8 +228,8 @@ class DecodeReceiver(TransferAgent):
     def _install(self, t: DecodeTransfer, h: P.ChunkHeader, ev: Event) -> None:
         eng, req = self.engine, t.req
         kv = eng.runner.kv.buffer
-        ps = eng.runner.page_size
         n_tok = len(req.prompt_ids)
+        l0, l1, s, e = h.layer_start, h.layer_end, h.token_start, h.token_end
         if t.sm.state != TState.RECEIVING:
             return self._fail(t, P.Cause.IDENTITY, f"chunk in state {t.sm.state.value}")
         problem = None
@@ -235,29 +237,29 @@ class DecodeReceiver(TransferAgent):
             problem = f"chunk names request {h.rid}, the reservation is for {req.rid}"
         elif h.kind != "kv":
             problem = f"unknown cache kind {h.kind!r}"
-        elif not (0 <= h.layer_start < h.layer_end <= len(t.layers)) or any(
-            t.layers[h.layer_start : h.layer_end]
-        ):
-            problem = f"layer range [{h.layer_start}, {h.layer_end}) is invalid or repeated"
-        elif (h.token_start, h.token_end) != (0, n_tok):
-            problem = f"token range [{h.token_start}, {h.token_end}) does not cover the prompt [0, {n_tok})"
+        elif not 0 <= l0 < l1 <= len(t.filled):
+            problem = f"layer range [{l0}, {l1}) is invalid"
+        elif not 0 <= s < e <= n_tok or any(f != s for f in t.filled[l0:l1]):
+            problem = (
+                f"tokens [{s}, {e}) of layers [{l0}, {l1}) do not continue the {n_tok}-token "
+                f"prompt's KV (installed up to {t.filled[l0:l1]})"
+            )
         if problem:
             return self._fail(t, P.Cause.IDENTITY, problem)
-        n_pages = pages_for(n_tok, ps)
-        shape = (2, h.layer_end - h.layer_start, n_pages, ps, kv.shape[4], kv.shape[5])
-        expected = kv.element_size() * 2 * shape[1] * n_pages * ps * shape[4] * shape[5]
+        shape = (2, l1 - l0, e - s, kv.shape[4], kv.shape[5])
+        expected = kv.element_size() * math.prod(shape)
         if ev.payload is None or ev.payload.nbytes != expected or h.nbytes != expected:
             got = 0 if ev.payload is None else ev.payload.nbytes
             return self._fail(t, P.Cause.IDENTITY, f"chunk of {got} bytes, expected {expected}")
         if not ev.checksum_ok:
             return self._fail(
-                t, P.Cause.CHECKSUM, f"checksum mismatch on layers [{h.layer_start}, {h.layer_end})"
+                t, P.Cause.CHECKSUM, f"checksum mismatch on layers [{l0}, {l1}) tokens [{s}, {e})"
             )
         src = torch.frombuffer(ev.payload, dtype=torch.uint8).view(kv.dtype).view(shape)
-        pages = torch.tensor(req.pages[:n_pages], dtype=torch.long, device=kv.device)
-        kv[:, h.layer_start : h.layer_end].index_copy_(2, pages, src.to(kv.device))
-        for i in range(h.layer_start, h.layer_end):
-            t.layers[i] = True
+        slots = token_slots(req.pages, s, e, eng.runner.page_size).to(kv.device)
+        flat = kv.view(2, kv.shape[1], -1, kv.shape[4], kv.shape[5])  # pages x slots -> slots
+        flat[:, l0:l1].index_copy_(2, slots, src.to(kv.device))
+        t.filled[l0:l1] = [e] * (l1 - l0)
         t.num_chunks += 1
 
     def _finish(self, t: DecodeTransfer, f: P.FirstToken) -> None:
@@ -266,12 +268,13 @@ class DecodeReceiver(TransferAgent):
             return self._fail(
                 t, P.Cause.IDENTITY, f"first token for {f.rid} in state {t.sm.state.value}"
             )
-        if not all(t.layers) or f.num_chunks != t.num_chunks:
+        n_tok = len(req.prompt_ids)
+        if any(n != n_tok for n in t.filled) or f.num_chunks != t.num_chunks:
             return self._fail(
                 t,
                 P.Cause.IDENTITY,
-                f"first token after {t.num_chunks} of {f.num_chunks} chunks "
-                f"({sum(t.layers)}/{len(t.layers)} layers)",
+                f"first token after {t.num_chunks} of {f.num_chunks} pieces "
+                f"(prompt KV per layer: {min(t.filled)}..{max(t.filled)} of {n_tok} tokens)",
             )
         if not 0 <= f.token_id < eng.src.config.vocab_size:
             return self._fail(

@@ -1,8 +1,9 @@
-"""Prefill side: reserve on decode, compute the prompt, send the KV (per layer group) + first token.
+"""Prefill side: reserve on decode, compute the prompt, send its KV chunk by chunk + first token.
 
 Per request: BOOTSTRAPPING (ReserveRequest sent) -> PREFILLING (decode holds pages; the request is
-in the local scheduler) -> SENDING (pages copied out and freed here; waiting for decode's
-TransferDone) -> DONE; any state -> FAILED with a cause, a log line and an error output.
+in the local scheduler; the KV of each prompt chunk goes out, per layer group, right after the step
+that computed it) -> SENDING (the last chunk and the first token sent, pages freed here; waiting
+for decode's TransferDone) -> DONE; any state -> FAILED with a cause, a log line and an error output.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import msgspec
 import torch
 
 from kvrelay.disagg import protocol as P
-from kvrelay.disagg.agent import Event, TransferAgent
+from kvrelay.disagg.agent import Event, TransferAgent, token_slots
 from kvrelay.disagg.protocol import TState
 from kvrelay.disagg.transport.base import Connection
 from kvrelay.engine.messages import RequestOutput
@@ -62,6 +63,9 @@ class PrefillTransfer:
     sm: P.TransferStateMachine
     peer: Peer | None = None
     first: RequestOutput | None = None
+    sent: int = 0  # prompt tokens whose KV went to decode
+    pieces: int = 0  # KV pieces sent
+    corrupt: bool = False  # TEST ONLY: damage the first piece
 
 
 class PrefillSender(TransferAgent):
@@ -135,6 +139,7 @@ class PrefillSender(TransferAgent):
             pd,
             P.prefill_machine(c.bootstrap_timeout_s, c.transfer_timeout_s, c.bootstrap_timeout_s),
         )
+        t.corrupt = self._fault_rng.random() < self.cfg.test_corrupt_p
         self.transfers[req.rid] = t
         try:
             t.peer = self._peer(pd.decode_addr)
@@ -167,7 +172,7 @@ class PrefillSender(TransferAgent):
             return False
         try:
             t.sm.to(TState.SENDING)
-            nchunks = self._send_kv(t)
+            self._send_kv(t, len(req.prompt_ids))
             first = P.FirstToken(
                 t.pd.transfer_id,
                 req.rid,
@@ -176,7 +181,7 @@ class PrefillSender(TransferAgent):
                 [(a.token_id, a.logprob) for a in out.top_logprobs[0]]
                 if out.top_logprobs
                 else None,
-                nchunks,
+                t.pieces,
             )
             if not self._send(t.peer.conn, first):
                 raise ConnectionError("connection to decode lost while sending")
@@ -187,17 +192,27 @@ class PrefillSender(TransferAgent):
         t.first = out
         return True
 
-    def _send_kv(self, t: PrefillTransfer) -> int:
+    def poll(self) -> None:
+        super().poll()
+        # Ship the KV of the prompt chunks the last step computed, before the next step runs.
+        for t in list(self.transfers.values()):
+            if t.sm.state == TState.PREFILLING and t.req.num_computed > t.sent:
+                try:
+                    self._send_kv(t, t.req.num_computed)
+                except ConnectionError as e:
+                    self._fail(t, P.Cause.PEER_LOST, str(e), notify=False)
+
+    def _send_kv(self, t: PrefillTransfer, end: int) -> None:
+        """Send the KV of prompt tokens [t.sent, end), one piece per layer group."""
+        if end <= t.sent:
+            return
         req, kv = t.req, self.engine.runner.kv.buffer
-        ps = self.engine.runner.page_size
-        n_tok = len(req.prompt_ids)
-        pages = torch.tensor(req.pages[: -(-n_tok // ps)], dtype=torch.long, device=kv.device)
+        slots = token_slots(req.pages, t.sent, end, self.engine.runner.page_size).to(kv.device)
+        flat = kv.view(2, kv.shape[1], -1, kv.shape[4], kv.shape[5])  # pages x slots -> slots
         num_layers, step = kv.shape[1], max(self.cfg.layers_per_chunk, 1)
-        n = 0
-        corrupt = self._fault_rng.random() < self.cfg.test_corrupt_p
         for l0 in range(0, num_layers, step):
             l1 = min(l0 + step, num_layers)
-            piece = kv[:, l0:l1].index_select(2, pages).contiguous().cpu()
+            piece = flat[:, l0:l1].index_select(2, slots).contiguous().cpu()
             buf = memoryview(piece.view(torch.uint8).numpy().reshape(-1))
             hdr = P.ChunkHeader(
                 t.pd.transfer_id,
@@ -205,20 +220,20 @@ class PrefillSender(TransferAgent):
                 "kv",
                 l0,
                 l1,
-                0,
-                n_tok,
+                t.sent,
+                end,
                 buf.nbytes,
                 P.checksum([buf]) if self.cfg.checksum else None,
             )
-            if corrupt and n == 0:  # 16 whole bytes: exponents too, so the damage is never benign
+            if t.corrupt and t.pieces == 0:  # 16 whole bytes: exponents too, never benign
                 corrupted = bytearray(buf)
                 mid = len(corrupted) // 2
                 corrupted[mid : mid + 16] = bytes(b ^ 0xFF for b in corrupted[mid : mid + 16])
                 buf = memoryview(corrupted)
             if not self._send(t.peer.conn, hdr, [buf]):
                 raise ConnectionError("connection to decode lost while sending KV")
-            n += 1
-        return n
+            t.pieces += 1
+        t.sent = end
 
     def abort(self, rid: str) -> bool:
         t = self.transfers.pop(rid, None)

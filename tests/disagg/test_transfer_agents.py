@@ -139,6 +139,29 @@ def test_pd_equals_single_engine(pair, single):
     pair.assert_clean()
 
 
+def test_kv_goes_to_decode_chunk_by_chunk_as_prefill_computes_it(pair, single):
+    ids = _prompts()[5]  # 100 tokens: prefill chunks of 32, 32, 32, 4
+    want = generate(single, [ids], PARAMS)[0]
+    pair.submit("k1", ids)
+    sent, pieces = [], 0
+
+    def progress() -> bool:
+        nonlocal pieces
+        t = pair.p.agent.transfers.get("k1")
+        if t is not None:
+            if t.sm.state.value == "prefilling" and t.sent not in sent:
+                sent.append(t.sent)  # KV already on its way while later chunks still compute
+            pieces = t.pieces
+        return pair.finished("decode", "k1")
+
+    pair.pump(progress)
+    assert sent == [0, 32, 64]  # (96 goes out at the step that computes the last 4 tokens)
+    assert pieces == 4 * pair.d.src.config.num_layers  # one piece per chunk and layer group
+    got = pair.outs[("decode", "k1")]
+    assert [t for o in got for t in o.token_ids] == [t for o in want for t in o.token_ids]
+    pair.assert_clean()
+
+
 def test_seeded_sampling_continues_as_in_one_engine(pair, single):
     params = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
     ids = _prompts()[4]
