@@ -45,7 +45,11 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
             env=env,
         )
-        self.wait_healthy()
+        try:
+            self.wait_healthy()
+        except BaseException:  # never leave a server behind (a failed start, a Ctrl-C)
+            self.close()
+            raise
 
     def wait_healthy(self, timeout: float = 180.0) -> None:
         deadline = time.time() + timeout

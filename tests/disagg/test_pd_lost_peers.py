@@ -39,7 +39,7 @@ def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def _request(url: str, i: int, prompt: str, max_tokens: int) -> dict:
+def _request(url: str, i: int, prompt: str, max_tokens: int, streaming: set | None = None) -> dict:
     """One completion (odd i: streamed); never raises: the outcome and when it ended."""
     c = _client(url)
     kw = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
@@ -49,6 +49,8 @@ def _request(url: str, i: int, prompt: str, max_tokens: int) -> dict:
         if i % 2:
             for _ in c.completions.create(stream=True, **kw):
                 chunks += 1
+                if streaming is not None:
+                    streaming.add(i)  # the client has seen tokens
             return {"ok": True, "end": time.time(), "chunks": chunks}
         c.completions.create(**kw)
         return {"ok": True, "end": time.time()}
@@ -64,15 +66,18 @@ def _request(url: str, i: int, prompt: str, max_tokens: int) -> dict:
 
 
 def _in_flight_then(stack: PDStack, max_tokens: int, ready, action) -> tuple[list[dict], float]:
-    """Start 6 long requests (half streamed), wait until `ready(stack)`, run `action`; return
-    the requests' outcomes and the time `action` returned."""
+    """Start 6 long requests (half streamed), wait until `ready(stack, streaming)` (`streaming`:
+    the requests whose client has seen tokens), run `action`; return the requests' outcomes and
+    the time `action` returned."""
     prompts = [STORY * (2 + i % 3) for i in range(6)]  # 2-4 prefill chunks of 64 tokens
+    streaming: set[int] = set()
     with ThreadPoolExecutor(len(prompts)) as ex:
         futs = [
-            ex.submit(_request, stack.router.url, i, p, max_tokens) for i, p in enumerate(prompts)
+            ex.submit(_request, stack.router.url, i, p, max_tokens, streaming)
+            for i, p in enumerate(prompts)
         ]
         deadline = time.time() + 60
-        while not ready(stack):
+        while not ready(stack, streaming):
             assert time.time() < deadline, "requests never got in flight"
             time.sleep(0.05)
         t = action()
@@ -176,14 +181,15 @@ def test_decode_killed_mid_transfer_then_restarted_alone(stack):
     outs, t_kill = _in_flight_then(
         stack,
         400,  # no request can finish before the kill
-        ready=lambda s: (
-            _transfers(s.decode.url, "receiving") > 0
-            and metrics(s.decode.url)["kvrelay_num_requests_running"] > 0
+        # one client mid-stream (its error must come as an SSE event), others mid-transfer
+        ready=lambda s, streaming: (
+            streaming and _transfers(s.decode.url, "reserved", "receiving") > 0
         ),
         action=lambda: stack.kill("decode"),
     )
     failed = _check_failures(outs, t_kill, {"decode_unreachable", "stream_broken"})
     streamed = [o for o in failed if o.get("chunks")]
+    assert streamed and all((o["status"], o["code"]) == (None, "stream_broken") for o in streamed)
     print(
         f"decode killed: {len(failed)} failed ({len(streamed)} mid-stream), last error "
         f"{max(o['end'] for o in failed) - t_kill:.1f}s after the kill: "
@@ -216,7 +222,7 @@ def test_prefill_killed_mid_transfer_then_restarted_alone(stack):
     outs, t_kill = _in_flight_then(
         stack,
         24,
-        ready=lambda s: (
+        ready=lambda s, streaming: (
             _transfers(s.prefill.url, "prefilling") > 0
             and _transfers(s.decode.url, "receiving") > 0
         ),
