@@ -226,8 +226,9 @@ def ngram_loop(
 # --- all of them ------------------------------------------------------------------------------------
 
 
-def detect(reply: Reply, schemas: dict[str, dict]) -> list[Finding]:
-    """Every finding on one reply; schemas from tools_by_name."""
+def detect(reply: Reply, schemas: dict[str, dict], ignore_eos: bool = False) -> list[Finding]:
+    """Every finding on one reply; schemas from tools_by_name. With ignore_eos the model was made
+    to write past its stop tokens, so special tokens among its tokens are expected."""
     text = reply.reasoning + reply.content
     findings: list[Finding] = []
     checked = cut_unfinished(reply.content) if reply.truncated else reply.content
@@ -238,7 +239,8 @@ def detect(reply: Reply, schemas: dict[str, dict]) -> list[Finding]:
     findings += [Finding("tag_balance", e) for e in tag_imbalance(text, reply.truncated)]
     stopped = reply.finish_reason in ("stop", "tool_calls")
     findings += [
-        Finding("special_token", t) for t in leaked_special_tokens(text, reply.tokens, stopped)
+        Finding("special_token", t)
+        for t in leaked_special_tokens(text, [] if ignore_eos else reply.tokens, stopped)
     ]
     loop = ngram_loop(reply.tokens or re.findall(r"\S+", text))
     if loop:

@@ -36,7 +36,13 @@ from kvrelay.bench import repro_sessions as sessions
 from kvrelay.bench.detectors import DETECTORS, Finding, Reply, detect
 from kvrelay.bench.loadgen import BenchError, resolve_model
 from kvrelay.bench.repro_report import highlight, print_report, wilson
-from kvrelay.bench.verify import DEFAULT_NEAR_TIE, Comparison, Output, compare
+from kvrelay.bench.verify import (
+    DEFAULT_NEAR_TIE,
+    Comparison,
+    Output,
+    compare,
+    divergence_histogram,
+)
 from kvrelay.bench.workloads import CHAT, TOOLS
 
 SCHEMA = "kvrelay-repro/1"
@@ -54,6 +60,7 @@ class ReproConfig:
     max_tokens: int = 64
     seed: int = 0
     task_words: int = 16  # random words appended to each task
+    system_prompt: str | None = None  # None: the tools and call format; "": no system message
     tool_result_len: int = 32  # words of each simulated tool result
     ignore_eos: bool = False
     near_tie: float = DEFAULT_NEAR_TIE
@@ -144,7 +151,7 @@ class Runner:
         output, reply = await chat(
             self.client, self.url, self.model, body, self.cfg.request_timeout_s
         )
-        findings = [] if output.error else detect(reply, sessions.SCHEMAS)
+        findings = [] if output.error else detect(reply, sessions.SCHEMAS, self.cfg.ignore_eos)
         return Turn(body, output, reply, findings)
 
     async def free_session(self, index: int, messages: list[dict]) -> list[Turn]:
@@ -253,6 +260,15 @@ def judge_level(
         "failed_requests": sum(1 for v in verdicts if v.error),
         "detectors": {d: detectors[d] for d in DETECTORS},
         "corrupted_sessions": sorted({v.session for v in verdicts if v.corrupt}),
+        # [session, turn, first divergent token] of every counted divergence
+        "divergences": [
+            [v.session, v.turn, v.comparison.first_divergence]
+            for v in verdicts
+            if v.diverged and not v.near_tie
+        ],
+        "divergence_histogram": divergence_histogram(
+            [v.comparison.first_divergence for v in verdicts if v.diverged and not v.near_tie]
+        ),
         "duration_s": secs,
         "output_tokens": sum(len(t.output.tokens) for ts in tested for t in ts),
     }
@@ -295,7 +311,9 @@ async def run_repro(cfg: ReproConfig, on_pass=None) -> dict:
     """on_pass(label, seconds) after each pass, for progress."""
     cfg.check()
     ref_url = cfg.reference_url or cfg.url
-    starts = sessions.initial_messages(cfg.num_sessions, cfg.seed, cfg.task_words)
+    starts = sessions.initial_messages(
+        cfg.num_sessions, cfg.seed, cfg.task_words, cfg.system_prompt
+    )
     async with httpx.AsyncClient(timeout=cfg.request_timeout_s) as client:
         model = cfg.model or await resolve_model(client, cfg.url)
         ref_model = cfg.model or await resolve_model(client, ref_url)
@@ -410,6 +428,12 @@ def add_repro_parser(subparsers) -> argparse.ArgumentParser:
         "--task-words", type=int, default=d.task_words, help="random words added to each task"
     )
     p.add_argument(
+        "--system-prompt",
+        default=None,
+        help="system message of every session (default: the tools' signatures and the "
+        "<tool_call> format; '': none, so the chat template's default applies)",
+    )
+    p.add_argument(
         "--tool-result-len",
         type=int,
         default=d.tool_result_len,
@@ -449,6 +473,7 @@ def cmd_repro(a: argparse.Namespace) -> int:
         max_tokens=a.max_tokens,
         seed=a.seed,
         task_words=a.task_words,
+        system_prompt=a.system_prompt,
         tool_result_len=a.tool_result_len,
         ignore_eos=a.ignore_eos,
         near_tie=a.near_tie,

@@ -34,28 +34,31 @@ TASKS = (
 
 
 def system_prompt() -> str:
-    """The tools in one line each, and the JSON-style call format."""
-    lines = ["You are a coding agent. Tools:"]
-    for t in TOOLS:
-        fn = t["function"]
-        params = ", ".join(fn["parameters"]["properties"])
-        lines.append(f"- {fn['name']}({params}): {fn['description']}")
-    example = {"name": "read_file", "arguments": {"path": "src/main.py"}}
-    lines.append(f"To call a tool, answer <tool_call>{json.dumps(example)}</tool_call>.")
-    return "\n".join(lines)
+    """The tools' signatures and the JSON-style call format, kept short: every turn prefills it."""
+    sigs = ", ".join(
+        f"{t['function']['name']}({', '.join(t['function']['parameters']['properties'])})"
+        for t in TOOLS
+    )
+    example = {"name": "read_file", "arguments": {"path": "a.py"}}
+    call = f"<tool_call>{json.dumps(example)}</tool_call>"
+    return f"You are a coding agent. Tools: {sigs}. To call one: {call}"
 
 
-def initial_messages(num_sessions: int, seed: int, task_words: int) -> list[list[dict]]:
-    """Each session's opening messages (system + task), deterministic in the seed."""
+def initial_messages(
+    num_sessions: int, seed: int, task_words: int, system: str | None = None
+) -> list[list[dict]]:
+    """Each session's opening messages (system + task), deterministic in the seed. system: None
+    for system_prompt(), "" for none (the chat template's default)."""
     rng = random.Random(seed)
-    system = system_prompt()
+    system = system_prompt() if system is None else system
+    head = [{"role": "system", "content": system}] if system else []
     sessions = []
     for _ in range(num_sessions):
         a, b, c = (rng.choice(WORDS) for _ in range(3))
         task = rng.choice(TASKS).format(a=a, b=b, c=c)
         if task_words:
             task += " Notes: " + random_text(rng, task_words, TextCalibration())
-        sessions.append([{"role": "system", "content": system}, {"role": "user", "content": task}])
+        sessions.append([*head, {"role": "user", "content": task}])
     return sessions
 
 
