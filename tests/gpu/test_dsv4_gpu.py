@@ -30,30 +30,47 @@ def _engine(device: str, expert_format: str = "dense", chunk: int = 7) -> Engine
     return Engine(cfg, src)
 
 
-def _prompts() -> list[list[int]]:
+def _prompts(vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (5, 40, 150, 300)]
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 40, 150, 300)]
 
 
 @pytest.mark.parametrize("expert_format", ["dense", "nvfp4"])
 def test_engine_on_gpu_equals_full_forward(expert_format: str) -> None:
     eng = _engine("cuda", expert_format)
     p = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
-    for ids, outs in zip(_prompts(), generate(eng, _prompts(), p), strict=True):
+    prompts = _prompts(eng.src.config.vocab_size)  # 256 without the embedded tokenizer
+    for ids, outs in zip(prompts, generate(eng, prompts, p), strict=True):
         toks = [t for o in outs for t in o.token_ids]
-        lps = torch.tensor([lp for o in outs for lp in o.logprobs])
+        assert len(toks) == 24
+        lps = torch.tensor([lp for o in outs for lp in o.logprobs or []])
         full = eng.runner.model(torch.tensor(ids + toks[:-1], device="cuda")).log_softmax(-1)
-        rows = full[len(ids) - 1 :]
-        assert rows.argmax(-1).tolist() == toks
-        want = rows.gather(1, torch.tensor(toks, device="cuda")[:, None]).squeeze(1).cpu()
-        assert (lps - want).abs().max().item() < 1e-3
+        rows = full[len(ids) - 1 :]  # teacher-forced on the engine's own tokens
+        chosen = rows.gather(1, torch.tensor(toks, device="cuda")[:, None]).squeeze(1)
+        # greedy: each token is the full forward's best, up to a float32 near-tie
+        assert (rows.max(-1).values - chosen).max().item() < 1e-3
+        # cuBLAS picks fp32 GEMM algorithms by shape, so batched and alone round differently;
+        # 5 layers of mHC amplify that to ~5e-3 with the (wider-tailed) NVFP4 dummy weights.
+        # A cache bug shows up as O(1) differences.
+        assert (lps - chosen.cpu()).abs().max().item() < 1e-2
     eng.check_idle_integrity()
 
 
-def test_gpu_matches_cpu_greedy() -> None:
-    p = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    runs = []
-    for device in ("cpu", "cuda"):
-        outs = generate(_engine(device, chunk=64), _prompts(), p)
-        runs.append([[t for o in out for t in o.token_ids] for out in outs])
-    assert runs[0] == runs[1]
+def test_gpu_matches_cpu_logprobs() -> None:
+    p = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+    gpu, cpu = _engine("cuda", chunk=64), _engine("cpu", chunk=64)
+    # dummy weights are drawn on the device: give the CPU engine the GPU's
+    cpu.runner.model.load_state_dict({k: v.cpu() for k, v in gpu.runner.model.state_dict().items()})
+    prompts = _prompts(gpu.src.config.vocab_size)
+    for g, c in zip(generate(gpu, prompts, p), generate(cpu, prompts, p), strict=True):
+        g = [
+            (t, lp, top)
+            for o in g
+            for t, lp, top in zip(o.token_ids, o.logprobs, o.top_logprobs, strict=True)
+        ]
+        c = [(t, lp) for o in c for t, lp in zip(o.token_ids, o.logprobs, strict=True)]
+        for (gt, glp, top), (ct, clp) in zip(g, c, strict=True):
+            if gt != ct:  # a divergence may only be a float32 near-tie, after which all differs
+                assert top[0].logprob - top[1].logprob < 1e-3
+                break
+            assert abs(glp - clp) < 1e-3
