@@ -55,7 +55,9 @@ def start(mode: str, a: argparse.Namespace, log_dir: str) -> tuple[subprocess.Po
         "--model", a.model, "--load-format", "dummy",
         "--max-num-batched-tokens", str(a.max_num_batched_tokens),
     ]  # fmt: skip
-    per_server = ["--memory-fraction", str(a.memory_fraction)]
+    per_server = ["--memory-fraction", str(a.memory_fraction)]  # `up` passes these on
+    if a.tokenizer:
+        per_server += ["--tokenizer", a.tokenizer]
     if mode == "single":
         cmd = ["serve", "--port", str(port), *common, *per_server]
     else:
@@ -126,6 +128,7 @@ def main() -> None:
     p.add_argument("--prompts-per-level", type=int, default=4, help="x the largest concurrency")
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--memory-fraction", type=float, default=0.4, help="per server")
+    p.add_argument("--tokenizer", default=None, help="HF tokenizer dir for the servers")
     p.add_argument("--gpus", default=None, help="CUDA_VISIBLE_DEVICES of both PD servers")
     p.add_argument("--start-timeout", type=float, default=300)
     p.add_argument("--bench-timeout", type=float, default=900)

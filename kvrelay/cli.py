@@ -32,7 +32,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--load-format",
         default=d.load_format,
         choices=["auto", "dummy"],
-        help="'dummy': random weights for a preset (llama-1b, smollm2-135m, qwen3-tiny)",
+        help="'dummy': random weights for a preset (llama-1b, smollm2-135m, qwen3-tiny, "
+        "dsv4-tiny, dsv4-mini, dsv4-flash)",
+    )
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="HF tokenizer directory to use instead of the model's (dummy models otherwise "
+        "borrow the embedded SmolLM2 tokenizer)",
     )
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
@@ -175,6 +182,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=a.model,
         load_format=a.load_format,
+        tokenizer=a.tokenizer,
         dtype=a.dtype,
         device=a.device,
         attention_backend=a.attention_backend,

@@ -84,6 +84,7 @@ class DisaggConfig:
 class EngineConfig:
     model: str = "smollm2"
     load_format: str = "auto"  # auto | gguf | safetensors | dummy
+    tokenizer: str | None = None  # HF tokenizer directory overriding the model's
     dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     device: str = "auto"
     attention_backend: str = "auto"  # auto: triton on GPU, torch elsewhere

@@ -23,7 +23,7 @@ log = logging.getLogger("kvrelay.engine")
 class Engine:
     def __init__(self, cfg: EngineConfig, src: ModelSource | None = None) -> None:
         self.cfg = cfg
-        self.src = src or resolve(cfg.model, cfg.load_format)
+        self.src = src or resolve(cfg.model, cfg.load_format, cfg.tokenizer)
         self.runner = make_runner(cfg, self.src)
         self.scheduler = Scheduler(
             cfg.scheduler, self.runner.allocator, self.runner.page_size, self.runner.state_slots

@@ -38,7 +38,7 @@ log = logging.getLogger("kvrelay.api")
 class ServerState:
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
-        self.src = resolve(cfg.engine.model, cfg.engine.load_format)
+        self.src = resolve(cfg.engine.model, cfg.engine.load_format, cfg.engine.tokenizer)
         self.model_name = cfg.served_model_name or self.src.name
         self.metrics = Metrics()
         self.client = EngineClient(cfg.engine)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import logging
@@ -47,7 +48,16 @@ class ModelSource:
     tokenizer_gguf: str | None  # gguf file name inside tokenizer_dir
 
 
-def resolve(model: str, load_format: str = "auto") -> ModelSource:
+def resolve(model: str, load_format: str = "auto", tokenizer: str | None = None) -> ModelSource:
+    """`tokenizer`: an HF tokenizer directory to use instead of the model's (or the embedded
+    one a dummy model borrows)."""
+    src = _resolve(model, load_format)
+    if tokenizer:
+        src = dataclasses.replace(src, tokenizer_dir=tokenizer, tokenizer_gguf=None)
+    return src
+
+
+def _resolve(model: str, load_format: str) -> ModelSource:
     if load_format == "dummy":
         return _resolve_dummy(model)
     path = embedded_gguf() if model == EMBEDDED else model
