@@ -15,9 +15,9 @@ import uuid
 from dataclasses import dataclass
 
 import msgspec
-import torch
 
 from kvrelay.disagg import protocol as P
+from kvrelay.disagg.layout import CacheKind, describe_layout, fingerprint, layout_difference
 from kvrelay.disagg.transport import make_transport
 from kvrelay.disagg.transport.base import Connection
 from kvrelay.engine.messages import RequestOutput
@@ -34,15 +34,10 @@ class Event:
     reason: str = ""
 
 
-def token_slots(pages: list[int], start: int, end: int, page_size: int) -> torch.Tensor:
-    """Cache slots (page * page_size + offset) of tokens [start, end) of a request."""
-    tok = torch.arange(start, end)
-    return torch.tensor(pages, dtype=torch.long)[tok // page_size] * page_size + tok % page_size
-
-
-def layout_fingerprint(engine) -> str:
-    m, r = engine.src.config, engine.runner
-    return f"kv:L{m.num_layers}:H{m.num_kv_heads}:D{m.head_dim}:{r.dtype}:ps{r.page_size}:v{m.vocab_size}"
+def engine_layout(engine) -> tuple[list[CacheKind], list[str]]:
+    """The engine's cache kinds and their description (what both sides of a pair must share)."""
+    kinds = engine.runner.transfer_layout()
+    return kinds, describe_layout(kinds, engine.runner.page_size, engine.src.config.vocab_size)
 
 
 class TransferAgent:
@@ -53,7 +48,9 @@ class TransferAgent:
         self.cfg = engine.cfg.disagg
         self.transport = make_transport(self.cfg.transfer_backend)
         self.instance_id = uuid.uuid4().hex[:16]
-        self.layout = layout_fingerprint(engine)
+        self.kinds, self.layout_lines = engine_layout(engine)
+        self.kind_by_name = {k.name: k for k in self.kinds}
+        self.layout = fingerprint(self.layout_lines)
         self.events: queue.Queue[Event] = queue.Queue()
         self.addr = ""
         self.failure_counts: dict[str, int] = {}  # cause -> failed transfers since start
@@ -90,6 +87,18 @@ class TransferAgent:
                         pass
 
     # -- transport threads -------------------------------------------------------------------------
+
+    def hello(self) -> bytes:
+        return P.encode(
+            P.Hello(self.instance_id, self.role, self.layout, description=self.layout_lines)
+        )
+
+    def layout_mismatch(self, peer: P.Hello) -> str:
+        """Why a peer's cache layout cannot pair with ours ("" when it can)."""
+        if peer.layout == self.layout:
+            return ""
+        why = layout_difference(self.layout_lines, peer.description)
+        return f"{peer.role} cache layout {peer.layout} differs from {self.role}'s {self.layout} ({why})"
 
     def _on_message(self, conn: Connection, header: bytes, payload: memoryview) -> None:
         self.track(conn)

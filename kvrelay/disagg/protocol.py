@@ -1,9 +1,9 @@
 """The PD wire protocol (msgspec messages) and the explicit per-request transfer state machine.
 
-A transfer piece names its request and transfer identity, the cache kind it belongs to ("kv" for the
-dense paged KV now; DeepSeek-V4 adds "index_k", "compressed_kv", "compressor_state" later), the layer
-range, the token range it covers, its byte count and a checksum over its bytes. The receiver checks
-every field against what it reserved before it installs a byte.
+A transfer piece names its request and transfer identity, the cache kinds it carries (names from
+the runner's `transfer_layout()`: "L3.k", "L1.c4_index_k", "L1.c4_state.pending_kv", ...), the
+token range it covers, its byte count and a checksum over its bytes. The receiver checks every
+field against what it reserved before it installs a byte.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import zlib
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: pieces name their cache kinds
 
 
 class PDParams(msgspec.Struct, frozen=True):
@@ -36,6 +36,7 @@ class Hello(msgspec.Struct, tag=True):
     role: str
     layout: str  # cache layout fingerprint: both sides must agree before any bytes move
     version: int = PROTOCOL_VERSION
+    description: list[str] = []  # the layout, one line per cache kind: names what differs
 
 
 class ReserveRequest(msgspec.Struct, tag=True):
@@ -54,13 +55,13 @@ class ReserveAck(msgspec.Struct, tag=True):
 
 
 class ChunkHeader(msgspec.Struct, tag=True):
-    """One piece of one cache kind; the payload follows the header in the same frame."""
+    """One piece: the rows of some cache kinds that tokens [token_start, token_end) filled (a
+    slot kind: its state after them). The payload follows the header in the same frame: each
+    kind's rows in the order named."""
 
     transfer_id: str
     rid: str
-    kind: str  # cache kind name: "kv" now
-    layer_start: int
-    layer_end: int
+    kinds: list[str]
     token_start: int
     token_end: int
     nbytes: int

@@ -1,18 +1,19 @@
-"""Decode side: reserve pages, check every piece against the reservation, install it, then decode.
+"""Decode side: reserve pages (and a state slot), check every piece against the reservation,
+install it, then decode.
 
-Per request: RESERVED (pages held; waiting for prefill's ReserveRequest) -> RECEIVING (matched;
-pieces arriving as prefill computes the prompt chunk by chunk, each checked: transfer id, request
-id, connection, cache kind, layer range, token range (continuing where that layer's KV ends),
-size, checksum) -> DONE (installed; the request joins the scheduler with
-num_computed = prompt length and the first token appended); any state -> FAILED (pages freed,
-prefill told, error output). A ReserveRequest that arrives before decode's own copy of the request
-waits as an orphan until that copy arrives or its deadline passes.
+Per request: RESERVED (pages and, for models with per-request state, a state slot held; waiting
+for prefill's ReserveRequest) -> RECEIVING (matched; pieces arriving as prefill computes the prompt
+chunk by chunk, each checked: transfer id, request id, connection, cache kinds, token range
+(continuing where each kind's rows end), size, checksum) -> DONE (installed; the request joins the
+scheduler with num_computed = prompt length and the first token appended, straight into the
+running set with its slot when it holds one); any state -> FAILED (pages and slot freed, prefill
+told, error output). A ReserveRequest that arrives before decode's own copy of the request waits
+as an orphan until that copy arrives or its deadline passes.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -20,10 +21,13 @@ import torch
 
 from kvrelay.cache.page_allocator import pages_for
 from kvrelay.disagg import protocol as P
-from kvrelay.disagg.agent import Event, TransferAgent, token_slots
+from kvrelay.disagg.agent import Event, TransferAgent
+from kvrelay.disagg.layout import SLOT
+from kvrelay.disagg.pieces import expected_bytes, piece_rows, scatter
 from kvrelay.disagg.protocol import TState
 from kvrelay.disagg.transport.base import Connection
 from kvrelay.engine.messages import RequestOutput, TokenLogprob
+from kvrelay.engine.request import Status
 
 log = logging.getLogger("kvrelay.disagg")
 
@@ -34,7 +38,7 @@ class DecodeTransfer:
     pd: P.PDParams
     sm: P.TransferStateMachine
     conn: Connection | None = None
-    filled: list[int] = field(default_factory=list)  # per layer: prompt tokens installed
+    filled: dict[str, int] = field(default_factory=dict)  # per cache kind: prompt tokens installed
     num_chunks: int = 0
 
 
@@ -80,14 +84,10 @@ class DecodeReceiver(TransferAgent):
         return counts
 
     def _on_hello(self, conn: Connection, msg: P.Hello) -> None:
-        conn.send(P.encode(P.Hello(self.instance_id, self.role, self.layout)))
-        if msg.layout != self.layout:
-            log.error(
-                "prefill peer=%s has cache layout %s, decode has %s: refusing",
-                conn.peer,
-                msg.layout,
-                self.layout,
-            )
+        conn.send(self.hello())
+        mismatch = self.layout_mismatch(msg)
+        if mismatch:
+            log.error("prefill peer=%s refused: %s", conn.peer, mismatch)
             conn.close()
         else:
             log.info("prefill connected peer=%s instance=%s", conn.peer, msg.instance_id)
@@ -98,7 +98,7 @@ class DecodeReceiver(TransferAgent):
         eng, c = self.engine, self.cfg
         sched, alloc = eng.scheduler, eng.runner.allocator
         t = DecodeTransfer(req, pd, P.decode_machine(c.bootstrap_timeout_s, c.transfer_timeout_s))
-        t.filled = [0] * eng.src.config.num_layers
+        t.filled = dict.fromkeys(self.kind_by_name, 0)
         if pd.transfer_id in self.transfers:
             self._emit_failure(
                 req.rid, pd.transfer_id, P.Cause.IDENTITY, "duplicate transfer id", "new"
@@ -115,7 +115,16 @@ class DecodeReceiver(TransferAgent):
             self._emit_failure(req.rid, pd.transfer_id, P.Cause.NO_KV, msg, "new")
             self.reject(pd.transfer_id, msg)
             return
+        slots = eng.runner.state_slots
+        # Requests waiting in the scheduler (preempted ones) need a slot when admitted again.
+        if slots is not None and slots.num_free <= len(sched.waiting):
+            msg = f"decode has no free state slot ({slots.num_usable} in use or promised)"
+            self._emit_failure(req.rid, pd.transfer_id, P.Cause.NO_KV, msg, "new")
+            self.reject(pd.transfer_id, msg)
+            return
         req.pages = alloc.alloc(need_now)
+        if slots is not None:
+            req.state_slot = slots.alloc(1)[0]
         self.transfers[pd.transfer_id] = t
         orphan = self.orphans.pop(pd.transfer_id, None)
         if orphan is not None:
@@ -226,40 +235,42 @@ class DecodeReceiver(TransferAgent):
             self._finish(t, msg)
 
     def _install(self, t: DecodeTransfer, h: P.ChunkHeader, ev: Event) -> None:
-        eng, req = self.engine, t.req
-        kv = eng.runner.kv.buffer
-        n_tok = len(req.prompt_ids)
-        l0, l1, s, e = h.layer_start, h.layer_end, h.token_start, h.token_end
+        req, n_tok = t.req, len(t.req.prompt_ids)
+        s, e = h.token_start, h.token_end
         if t.sm.state != TState.RECEIVING:
             return self._fail(t, P.Cause.IDENTITY, f"chunk in state {t.sm.state.value}")
+        kinds = [self.kind_by_name.get(name) for name in h.kinds]
         problem = None
         if h.rid != req.rid:
             problem = f"chunk names request {h.rid}, the reservation is for {req.rid}"
-        elif h.kind != "kv":
-            problem = f"unknown cache kind {h.kind!r}"
-        elif not 0 <= l0 < l1 <= len(t.filled):
-            problem = f"layer range [{l0}, {l1}) is invalid"
-        elif not 0 <= s < e <= n_tok or any(f != s for f in t.filled[l0:l1]):
+        elif not h.kinds or None in kinds or len(set(h.kinds)) != len(h.kinds):
+            problem = f"cache kinds {h.kinds} are not a set of this decode's kinds"
+        elif len({k.unit for k in kinds}) != 1:
+            problem = f"cache kinds {h.kinds} mix pages and slots"
+        elif kinds[0].unit == SLOT and (s, e) != (0, n_tok):
             problem = (
-                f"tokens [{s}, {e}) of layers [{l0}, {l1}) do not continue the {n_tok}-token "
-                f"prompt's KV (installed up to {t.filled[l0:l1]})"
+                f"state after tokens [{s}, {e}); only the whole {n_tok}-token prompt's is sent"
+            )
+        elif not 0 <= s < e <= n_tok or any(t.filled[name] != s for name in h.kinds):
+            problem = (
+                f"tokens [{s}, {e}) of {h.kinds} do not continue the {n_tok}-token prompt's "
+                f"caches (installed up to {sorted({t.filled[x] for x in h.kinds})})"
             )
         if problem:
             return self._fail(t, P.Cause.IDENTITY, problem)
-        shape = (2, l1 - l0, e - s, kv.shape[4], kv.shape[5])
-        expected = kv.element_size() * math.prod(shape)
-        if ev.payload is None or ev.payload.nbytes != expected or h.nbytes != expected:
-            got = 0 if ev.payload is None else ev.payload.nbytes
+        page_size = self.engine.runner.page_size
+        rows = piece_rows(kinds, req.pages, req.state_slot, page_size, s, e, n_tok)
+        expected = expected_bytes(kinds, rows)
+        got = 0 if ev.payload is None else ev.payload.nbytes
+        if got != expected or h.nbytes != expected:
             return self._fail(t, P.Cause.IDENTITY, f"chunk of {got} bytes, expected {expected}")
         if not ev.checksum_ok:
             return self._fail(
-                t, P.Cause.CHECKSUM, f"checksum mismatch on layers [{l0}, {l1}) tokens [{s}, {e})"
+                t, P.Cause.CHECKSUM, f"checksum mismatch on {h.kinds[0]}.. tokens [{s}, {e})"
             )
-        src = torch.frombuffer(ev.payload, dtype=torch.uint8).view(kv.dtype).view(shape)
-        slots = token_slots(req.pages, s, e, eng.runner.page_size).to(kv.device)
-        flat = kv.view(2, kv.shape[1], -1, kv.shape[4], kv.shape[5])  # pages x slots -> slots
-        flat[:, l0:l1].index_copy_(2, slots, src.to(kv.device))
-        t.filled[l0:l1] = [e] * (l1 - l0)
+        scatter(kinds, rows, ev.payload)
+        for name in h.kinds:
+            t.filled[name] = e
         t.num_chunks += 1
 
     def _finish(self, t: DecodeTransfer, f: P.FirstToken) -> None:
@@ -269,12 +280,13 @@ class DecodeReceiver(TransferAgent):
                 t, P.Cause.IDENTITY, f"first token for {f.rid} in state {t.sm.state.value}"
             )
         n_tok = len(req.prompt_ids)
-        if any(n != n_tok for n in t.filled) or f.num_chunks != t.num_chunks:
+        if any(n != n_tok for n in t.filled.values()) or f.num_chunks != t.num_chunks:
+            done = t.filled.values()
             return self._fail(
                 t,
                 P.Cause.IDENTITY,
                 f"first token after {t.num_chunks} of {f.num_chunks} pieces "
-                f"(prompt KV per layer: {min(t.filled)}..{max(t.filled)} of {n_tok} tokens)",
+                f"(prompt caches per kind: {min(done)}..{max(done)} of {n_tok} tokens)",
             )
         if not 0 <= f.token_id < eng.src.config.vocab_size:
             return self._fail(
@@ -303,19 +315,26 @@ class DecodeReceiver(TransferAgent):
                 num_prompt_tokens=len(req.prompt_ids),
             )
         )
-        if reason is None:
-            eng.scheduler.add(req)
+        if reason is not None:
+            self._release(req)
+        elif req.state_slot:
+            _run_now(eng.scheduler, req)
         else:
-            eng.runner.allocator.free(req.pages)
-            req.pages = []
+            eng.scheduler.add(req)
+
+    def _release(self, req) -> None:
+        self.engine.runner.allocator.free(req.pages)
+        req.pages = []
+        if req.state_slot:
+            self.engine.runner.state_slots.free([req.state_slot])
+            req.state_slot = 0
 
     def _drop(self, t: DecodeTransfer) -> None:
         if not t.sm.final:
             t.sm.to(TState.FAILED)
         self.ended[t.pd.transfer_id] = time.monotonic()
         self.transfers.pop(t.pd.transfer_id, None)
-        self.engine.runner.allocator.free(t.req.pages)
-        t.req.pages = []
+        self._release(t.req)
 
     def _fail(self, t: DecodeTransfer, cause: str, message: str, notify: bool = True) -> None:
         state = t.sm.state.value
@@ -357,3 +376,12 @@ class DecodeReceiver(TransferAgent):
                     o.conn,
                     P.ReserveAck(tid, False, "decode never received its copy of the request"),
                 )
+
+
+def _run_now(sched, req) -> None:
+    """Into the running set with the slot it holds: the scheduler's admission would take a
+    second slot (and drop the installed state)."""
+    sched.add(req)  # stamps its arrival order (preemption evicts the newest)
+    sched.waiting.remove(req)
+    req.status = Status.RUNNING
+    sched.running.append(req)

@@ -1,9 +1,10 @@
-"""Prefill side: reserve on decode, compute the prompt, send its KV chunk by chunk + first token.
+"""Prefill side: reserve on decode, compute the prompt, send its caches chunk by chunk + first token.
 
 Per request: BOOTSTRAPPING (ReserveRequest sent) -> PREFILLING (decode holds pages; the request is
-in the local scheduler; the KV of each prompt chunk goes out, per layer group, right after the step
-that computed it) -> SENDING (the last chunk and the first token sent, pages freed here; waiting
-for decode's TransferDone) -> DONE; any state -> FAILED with a cause, a log line and an error output.
+in the local scheduler; the paged cache rows each prompt chunk completed go out, per layer group,
+right after the step that computed it) -> SENDING (the last chunk, the per-request state after the
+prompt and the first token sent, pages and slot freed here; waiting for decode's TransferDone) ->
+DONE; any state -> FAILED with a cause, a log line and an error output.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import time
 from dataclasses import dataclass, field
 
 import msgspec
-import torch
 
 from kvrelay.disagg import protocol as P
-from kvrelay.disagg.agent import Event, TransferAgent, token_slots
+from kvrelay.disagg.agent import Event, TransferAgent
+from kvrelay.disagg.layout import PAGE, SLOT, layer_groups
+from kvrelay.disagg.pieces import gather, piece_rows
 from kvrelay.disagg.protocol import TState
 from kvrelay.disagg.transport.base import Connection
 from kvrelay.engine.messages import RequestOutput
@@ -65,7 +67,7 @@ class PrefillTransfer:
     first: RequestOutput | None = None
     sent: int = 0  # prompt tokens whose KV went to decode
     pieces: int = 0  # KV pieces sent
-    corrupt: bool = False  # TEST ONLY: damage the first piece
+    corrupt: bool = False  # TEST ONLY: damage the first non-empty piece
 
 
 class PrefillSender(TransferAgent):
@@ -75,6 +77,8 @@ class PrefillSender(TransferAgent):
         super().__init__(engine)
         self.peers: dict[str, Peer] = {}
         self.transfers: dict[str, PrefillTransfer] = {}  # by rid
+        self.page_groups = layer_groups(self.kinds, PAGE, self.cfg.layers_per_chunk)
+        self.slot_groups = layer_groups(self.kinds, SLOT, self.cfg.layers_per_chunk)
         self._fault_rng = random.Random(engine.cfg.seed)
         d = self.cfg.test_delay_transfer_s
         self._delayed = DelayedSends(d) if d > 0 else None
@@ -102,10 +106,7 @@ class PrefillSender(TransferAgent):
     def _on_hello(self, conn: Connection, msg: P.Hello) -> None:
         for peer in list(self.peers.values()):
             if peer.conn is conn:
-                if msg.layout != self.layout:
-                    peer.error = (
-                        f"decode cache layout {msg.layout} differs from prefill's {self.layout}"
-                    )
+                peer.error = self.layout_mismatch(msg)
                 peer.instance_id = msg.instance_id
                 peer.hello.set()
 
@@ -118,7 +119,7 @@ class PrefillSender(TransferAgent):
         )
         peer = self.peers[addr] = Peer(conn)
         self.track(conn)
-        conn.send(P.encode(P.Hello(self.instance_id, self.role, self.layout)))
+        conn.send(self.hello())
         if not peer.hello.wait(self.cfg.connect_timeout_s):
             conn.close()
             raise ConnectionError(
@@ -173,6 +174,7 @@ class PrefillSender(TransferAgent):
         try:
             t.sm.to(TState.SENDING)
             self._send_kv(t, len(req.prompt_ids))
+            self._send_state(t)  # before finish() below frees the slot
             first = P.FirstToken(
                 t.pd.transfer_id,
                 req.rid,
@@ -203,37 +205,42 @@ class PrefillSender(TransferAgent):
                     self._fail(t, P.Cause.PEER_LOST, str(e), notify=False)
 
     def _send_kv(self, t: PrefillTransfer, end: int) -> None:
-        """Send the KV of prompt tokens [t.sent, end), one piece per layer group."""
+        """Send what prompt tokens [t.sent, end) filled in the paged kinds, per layer group."""
         if end <= t.sent:
             return
-        req, kv = t.req, self.engine.runner.kv.buffer
-        slots = token_slots(req.pages, t.sent, end, self.engine.runner.page_size).to(kv.device)
-        flat = kv.view(2, kv.shape[1], -1, kv.shape[4], kv.shape[5])  # pages x slots -> slots
-        num_layers, step = kv.shape[1], max(self.cfg.layers_per_chunk, 1)
-        for l0 in range(0, num_layers, step):
-            l1 = min(l0 + step, num_layers)
-            piece = flat[:, l0:l1].index_select(2, slots).contiguous().cpu()
-            buf = memoryview(piece.view(torch.uint8).numpy().reshape(-1))
-            hdr = P.ChunkHeader(
-                t.pd.transfer_id,
-                req.rid,
-                "kv",
-                l0,
-                l1,
-                t.sent,
-                end,
-                buf.nbytes,
-                P.checksum([buf]) if self.cfg.checksum else None,
-            )
-            if t.corrupt and t.pieces == 0:  # 16 whole bytes: exponents too, never benign
-                corrupted = bytearray(buf)
-                mid = len(corrupted) // 2
-                corrupted[mid : mid + 16] = bytes(b ^ 0xFF for b in corrupted[mid : mid + 16])
-                buf = memoryview(corrupted)
-            if not self._send(t.peer.conn, hdr, [buf]):
-                raise ConnectionError("connection to decode lost while sending KV")
-            t.pieces += 1
+        for kinds in self.page_groups:
+            self._send_piece(t, kinds, t.sent, end)
         t.sent = end
+
+    def _send_state(self, t: PrefillTransfer) -> None:
+        """Send the per-request state after the whole prompt (models that keep one)."""
+        for kinds in self.slot_groups:
+            self._send_piece(t, kinds, 0, len(t.req.prompt_ids))
+
+    def _send_piece(self, t: PrefillTransfer, kinds: list, start: int, end: int) -> None:
+        req, runner = t.req, self.engine.runner
+        rows = piece_rows(
+            kinds, req.pages, req.state_slot, runner.page_size, start, end, len(req.prompt_ids)
+        )
+        buf = gather(kinds, rows)
+        hdr = P.ChunkHeader(
+            t.pd.transfer_id,
+            req.rid,
+            [k.name for k in kinds],
+            start,
+            end,
+            buf.nbytes,
+            P.checksum([buf]) if self.cfg.checksum else None,
+        )
+        if t.corrupt and buf.nbytes >= 16:  # 16 whole bytes: exponents too, never benign
+            t.corrupt = False  # the first non-empty piece only
+            corrupted = bytearray(buf)
+            mid = len(corrupted) // 2
+            corrupted[mid : mid + 16] = bytes(b ^ 0xFF for b in corrupted[mid : mid + 16])
+            buf = memoryview(corrupted)
+        if not self._send(t.peer.conn, hdr, [buf]):
+            raise ConnectionError("connection to decode lost while sending KV")
+        t.pieces += 1
 
     def abort(self, rid: str) -> bool:
         t = self.transfers.pop(rid, None)

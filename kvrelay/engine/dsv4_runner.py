@@ -10,6 +10,7 @@ import torch
 from kvrelay.cache.dsv4_pool import DeepseekV4CachePool, dsv4_page_size
 from kvrelay.cache.page_allocator import PageAllocator, pages_for
 from kvrelay.config import EngineConfig
+from kvrelay.disagg.layout import PAGE, SLOT, CacheKind
 from kvrelay.engine.runner import cache_budget, pick_device, pick_dtype
 from kvrelay.engine.scheduler import ScheduledRequest
 from kvrelay.models.deepseek_v4.paged import PagedSequence, forward_paged
@@ -20,8 +21,6 @@ log = logging.getLogger("kvrelay.runner")
 
 class DeepseekV4Runner:
     def __init__(self, cfg: EngineConfig, src: ModelSource) -> None:
-        if cfg.role != "single":
-            raise ValueError("prefill/decode roles do not carry DeepSeek-V4 caches yet")
         self.cfg = cfg
         self.device = pick_device(cfg.device)
         self.dtype = pick_dtype(cfg.dtype, self.device)
@@ -59,6 +58,29 @@ class DeepseekV4Runner:
         budget = cache_budget(self.cfg, self.device, act) - slots
         per_page = DeepseekV4CachePool.bytes_per_page(c, self.page_size, self.dtype)
         return max(int(budget // per_page), 2)
+
+    def transfer_layout(self) -> list[CacheKind]:
+        """Every tensor of the pool, described for a PD transfer: the window KV (only its last
+        window - 1 tokens are read again), compressed entries and index keys (a row per
+        `ratio` tokens), and the compressors' per-request state slots."""
+        pool = self.cache
+        slot_tensors = {
+            id(t)
+            for s in pool.comp_slots + pool.index_slots
+            if s is not None
+            for t in (s.pending_kv, s.pending_score, s.prev_kv, s.prev_score)
+            if t is not None
+        }
+        kinds = []
+        for name, t in pool.kinds.items():
+            layer = int(name.split(".", 1)[0][1:])  # "L{i}.…"
+            if id(t) in slot_tensors:
+                kinds.append(CacheKind(name, t, SLOT, layer))
+            elif t is pool.swa[layer]:
+                kinds.append(CacheKind(name, t, PAGE, layer, keep_last=pool.window - 1))
+            else:
+                kinds.append(CacheKind(name, t, PAGE, layer, ratio=self.page_size // t.shape[1]))
+        return kinds
 
     @torch.inference_mode()
     def forward(self, batch: list[ScheduledRequest], all_rows: bool = False) -> torch.Tensor:

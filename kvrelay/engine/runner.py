@@ -10,6 +10,7 @@ import torch
 from kvrelay.cache.kv_pool import KVPool, bytes_per_token
 from kvrelay.cache.page_allocator import PageAllocator, pages_for
 from kvrelay.config import EngineConfig
+from kvrelay.disagg.layout import PAGE, CacheKind
 from kvrelay.engine.batch import ForwardBatch, prepare
 from kvrelay.engine.scheduler import ScheduledRequest
 from kvrelay.layers.attention import make_backend
@@ -111,6 +112,14 @@ class ModelRunner:
         budget = cache_budget(self.cfg, self.device, act + graphs)
         per_page = bytes_per_token(c, self.dtype) * self.page_size
         return max(int(budget // per_page), 2)
+
+    def transfer_layout(self) -> list[CacheKind]:
+        """The caches a PD transfer moves: each layer's paged K and V."""
+        return [
+            CacheKind(f"L{i}.{name}", t, PAGE, i)
+            for i, kv in enumerate(self.kv.layers)
+            for name, t in zip(("k", "v"), kv, strict=True)
+        ]
 
     @torch.inference_mode()
     def forward(self, batch: list[ScheduledRequest]) -> torch.Tensor:

@@ -80,7 +80,7 @@ def test_messages_round_trip():
         P.Hello("abc", "decode", "kv:L2"),
         P.ReserveRequest("t1", "r1", 17, P.prompt_hash([1, 2, 3])),
         P.ReserveAck("t1", False, "full"),
-        P.ChunkHeader("t1", "r1", "kv", 0, 8, 0, 17, 1024, 12345),
+        P.ChunkHeader("t1", "r1", ["L0.k", "L0.v"], 0, 17, 1024, 12345),
         P.FirstToken("t1", "r1", 42, -0.5, [(42, -0.5), (7, -1.5)], 4),
         P.TransferDone("t1"),
         P.Failure("t1", P.Cause.CHECKSUM, "bad bytes"),
@@ -123,7 +123,7 @@ def tcp_pair():
 def test_tcp_framing_round_trip_both_ways(tcp_pair):
     _, conn, server_rx, client_rx, _ = tcp_pair
     big = bytes(range(256)) * 40_000  # 10 MB, several recv calls
-    hdr = P.ChunkHeader("t", "r", "kv", 0, 1, 0, 1, len(big) + 3, P.checksum([big, b"xyz"]))
+    hdr = P.ChunkHeader("t", "r", ["L0.k"], 0, 1, len(big) + 3, P.checksum([big, b"xyz"]))
     conn.send(P.encode(hdr), [memoryview(big), b"xyz"])
     conn.send(P.encode(P.TransferDone("t")))  # no payload
     sconn, h1, p1 = server_rx.get(timeout=10)
@@ -141,7 +141,7 @@ def test_tcp_framing_round_trip_both_ways(tcp_pair):
 def test_checksum_detects_a_flipped_byte(tcp_pair):
     _, conn, server_rx, _, _ = tcp_pair
     data = bytearray(b"\x01" * 4096)
-    hdr = P.ChunkHeader("t", "r", "kv", 0, 1, 0, 1, len(data), P.checksum([data]))
+    hdr = P.ChunkHeader("t", "r", ["L0.k"], 0, 1, len(data), P.checksum([data]))
     data[1234] ^= 0x10  # corrupted after the checksum was taken
     conn.send(P.encode(hdr), [data])
     _, h, payload = server_rx.get(timeout=10)

@@ -1,0 +1,105 @@
+"""What a PD transfer moves: a runner's caches as a list of named kinds, and which rows of each
+kind a prompt chunk fills.
+
+A runner describes its caches with `transfer_layout()`; the sender and the receiver only ever
+touch the tensors through these descriptions, so a new cache kind needs no change here.
+- unit "page": first dim = page, second = rows within a page. Row j of a request covers tokens
+  [j * ratio, (j + 1) * ratio) and is final once all of them are computed (a compressed entry
+  exists only when its window is complete). `keep_last` > 0: decode only ever reads the rows of
+  the prompt's last `keep_last` tokens (a sliding window), so older rows are not sent.
+- unit "slot": first dim = the request's state slot (per-request state, e.g. a compressor's
+  open window). Only its value after the whole prompt matters: it is sent once, at the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+PAGE, SLOT = "page", "slot"
+
+
+@dataclass(frozen=True)
+class CacheKind:
+    name: str
+    tensor: torch.Tensor
+    unit: str  # PAGE | SLOT
+    layer: int  # kinds of the same layers travel in one piece
+    ratio: int = 1  # page kinds: tokens per row
+    keep_last: int = 0  # page kinds: only the last `keep_last` tokens' rows are read again
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape[2:] if self.unit == PAGE else self.tensor.shape[1:])
+
+    @property
+    def row_bytes(self) -> int:
+        n = self.tensor.element_size()
+        for d in self.row_shape:
+            n *= d
+        return n
+
+    @property
+    def byte_rows(self) -> torch.Tensor:
+        """The tensor as bytes, one row per cache row: [rows, row_bytes], a view (writes land in
+        the pool), the same for every dtype (fp8 included)."""
+        t = self.tensor.flatten(0, 1) if self.unit == PAGE else self.tensor
+        return t.reshape(t.shape[0], -1).view(torch.uint8)
+
+    def row_range(self, start: int, end: int, prompt_len: int) -> tuple[int, int]:
+        """Rows of a page kind that tokens [start, end) of a `prompt_len`-token prompt complete
+        and decode will read."""
+        r = self.ratio
+        first = start // r
+        if self.keep_last:
+            first = max(first, max(prompt_len - self.keep_last, 0) // r)
+        last = end // r
+        return first, max(first, last)
+
+    def describe(self) -> str:
+        """Everything both sides must agree on for this kind, in one line."""
+        shape = "x".join(map(str, self.row_shape))
+        per_unit = f"{self.tensor.shape[1]}/page" if self.unit == PAGE else "slot"
+        return (
+            f"{self.name} {self.unit} {per_unit} row={shape} {self.tensor.dtype} "
+            f"ratio={self.ratio} keep_last={self.keep_last}"
+        )
+
+
+def page_rows(kind: CacheKind, pages: list[int], page_size: int, first: int, last: int):
+    """Flat row indices (into `kind.byte_rows`) of a request's rows first..last-1."""
+    per_page = kind.tensor.shape[1]
+    units = torch.arange(first, last)
+    idx = torch.tensor(pages, dtype=torch.long)[units * kind.ratio // page_size]
+    return (idx * per_page + units % per_page).to(kind.tensor.device)
+
+
+def describe_layout(kinds: list[CacheKind], page_size: int, vocab_size: int) -> list[str]:
+    return [f"page_size={page_size} vocab={vocab_size}"] + [k.describe() for k in kinds]
+
+
+def fingerprint(description: list[str]) -> str:
+    """A short name of a layout: equal fingerprints mean equal descriptions."""
+    digest = hashlib.sha256("\n".join(description).encode()).hexdigest()[:16]
+    return f"kinds={len(description) - 1}:{digest}"
+
+
+def layout_difference(mine: list[str], theirs: list[str]) -> str:
+    """The first line where two layout descriptions differ, for the error message."""
+    for i, (a, b) in enumerate(zip(mine, theirs, strict=False)):
+        if a != b:
+            return f"entry {i}: here {a!r}, peer {b!r}"
+    if len(mine) != len(theirs):
+        return f"here {len(mine) - 1} cache kinds, peer {len(theirs) - 1}"
+    return "descriptions equal"
+
+
+def layer_groups(kinds: list[CacheKind], unit: str, layers_per_piece: int) -> list[list[CacheKind]]:
+    """The kinds of one unit, grouped `layers_per_piece` layers at a time (one piece each)."""
+    groups: dict[int, list[CacheKind]] = {}
+    for k in kinds:
+        if k.unit == unit:
+            groups.setdefault(k.layer // max(layers_per_piece, 1), []).append(k)
+    return list(groups.values())

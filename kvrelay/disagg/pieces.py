@@ -1,0 +1,56 @@
+"""One transfer piece: which rows of its cache kinds it carries, and their bytes out of (sender)
+or into (receiver) the pools. Both sides derive the rows from the same facts (the request's
+pages and slot, the token range, the prompt length), so only the bytes travel."""
+
+from __future__ import annotations
+
+import torch
+
+from kvrelay.disagg.layout import SLOT, CacheKind, page_rows
+
+
+def piece_rows(
+    kinds: list[CacheKind],
+    pages: list[int],
+    slot: int,
+    page_size: int,
+    start: int,
+    end: int,
+    prompt_len: int,
+) -> list[torch.Tensor]:
+    """Per kind, the row indices tokens [start, end) fill (a slot kind: its one slot row)."""
+    out, cache = [], {}
+    for k in kinds:
+        key = (k.unit, k.ratio, k.keep_last, k.tensor.shape[1], k.tensor.device)
+        if key not in cache:
+            if k.unit == SLOT:
+                cache[key] = torch.tensor([slot], device=k.tensor.device)
+            else:
+                first, last = k.row_range(start, end, prompt_len)
+                cache[key] = page_rows(k, pages, page_size, first, last)
+        out.append(cache[key])
+    return out
+
+
+def expected_bytes(kinds: list[CacheKind], rows: list[torch.Tensor]) -> int:
+    return sum(k.row_bytes * len(r) for k, r in zip(kinds, rows, strict=True))
+
+
+def gather(kinds: list[CacheKind], rows: list[torch.Tensor]) -> memoryview:
+    """The piece's payload: each kind's rows, in order, as host bytes."""
+    parts = [k.byte_rows.index_select(0, r).reshape(-1) for k, r in zip(kinds, rows, strict=True)]
+    data = torch.cat(parts).cpu() if parts else torch.empty(0, dtype=torch.uint8)
+    return memoryview(data.numpy())
+
+
+def scatter(kinds: list[CacheKind], rows: list[torch.Tensor], payload: memoryview | None) -> None:
+    """Install a verified payload (sized by `expected_bytes`) into the pools."""
+    if payload is None:
+        return  # an empty piece (every row range empty)
+    buf = torch.frombuffer(payload, dtype=torch.uint8)
+    off = 0
+    for k, r in zip(kinds, rows, strict=True):
+        nb = k.row_bytes * len(r)
+        src = buf[off : off + nb].view(len(r), k.row_bytes)
+        k.byte_rows.index_copy_(0, r, src.to(k.tensor.device))
+        off += nb
