@@ -150,6 +150,7 @@ class Engine:
                 self._fail(s.req, "error", f"internal error: {type(e).__name__}: {e}")
             outputs += self._pending
             self._pending = []
+            self.last_step_ms = (time.perf_counter() - t0) * 1e3  # time lost counts too
             return StepOutputs(outputs, self.stats())
         self.scheduler.advance(batch)
         fault = self._fault_active(len(batch))
