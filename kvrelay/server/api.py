@@ -174,8 +174,8 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         req = await _parse(request, ChatCompletionRequest)
         _check_common(req)
         chat_format = ChatFormat(state.src.config.architecture, state.tokenizer)
-        try:
-            prompt_ids = chat_format.prompt_ids(req)
+        try:  # off the event loop: a long prompt must not stall other requests' streams
+            prompt_ids = await asyncio.to_thread(chat_format.prompt_ids, req)
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
         gen = _start(req, prompt_ids)
@@ -222,7 +222,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         prompt_ids = (
             list(prompt)
             if isinstance(prompt, list)
-            else state.tokenizer.encode(prompt, add_special_tokens=False)
+            else await asyncio.to_thread(state.tokenizer.encode, prompt, add_special_tokens=False)
         )
         if not prompt_ids:
             raise bad_request("prompt is empty", "prompt")
