@@ -1,0 +1,83 @@
+"""A prefill engine and a decode engine in one process, talking over real TCP, pumped by hand."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from kvrelay.disagg.protocol import PDParams
+from kvrelay.engine.engine import Engine
+from kvrelay.engine.messages import AddRequest, SamplingParams
+
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+class Pair:
+    def __init__(self, prefill: Engine, decode: Engine) -> None:
+        self.p, self.d = prefill, decode
+        self.outs: dict[tuple[str, str], list] = {}
+
+    def submit(
+        self,
+        rid: str,
+        ids: list[int],
+        params=PARAMS,
+        tid: str | None = None,
+        d_ids=None,
+        send_prefill: bool = True,
+        send_decode: bool = True,
+    ) -> None:
+        tid = tid or f"t-{rid}"
+        if send_decode:
+            self.d.add(AddRequest(rid, d_ids or ids, params, PDParams("decode", tid)))
+        if send_prefill:
+            pd = PDParams("prefill", tid, self.d.agent.addr, self.d.agent.instance_id)
+            self.p.add(AddRequest(rid, ids, params, pd))
+
+    def pump(self, done, timeout: float = 20.0) -> None:
+        deadline = time.time() + timeout
+        while not done():
+            assert time.time() < deadline, f"no progress: {self.outs}"
+            for side, e in (("prefill", self.p), ("decode", self.d)):
+                e.poll_transfers()
+                if e.has_work:
+                    for o in e.step().outputs:
+                        self.outs.setdefault((side, o.rid), []).append(o)
+            time.sleep(0.001)
+
+    def finished(self, side: str, rid: str) -> bool:
+        return any(o.finish_reason for o in self.outs.get((side, rid), []))
+
+    def last(self, side: str, rid: str):
+        return self.outs[(side, rid)][-1]
+
+    def assert_clean(self) -> None:
+        self.pump(
+            lambda: (
+                not self.p.transfers_in_flight
+                and not self.d.transfers_in_flight
+                and not self.p.has_work
+                and not self.d.has_work
+            )
+        )
+        for e in (self.p, self.d):
+            assert e.runner.allocator.num_used == 0
+            e.check_idle_integrity()
+
+
+@contextmanager
+def pairs() -> Iterator[Callable[[Engine, Engine], Pair]]:
+    """Builds pairs; closes their transfer agents (sockets, heartbeat threads) after."""
+    made: list[Pair] = []
+
+    def make(prefill: Engine, decode: Engine) -> Pair:
+        made.append(Pair(prefill, decode))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for pr in made:
+            pr.p.agent.close()
+            pr.d.agent.close()

@@ -1,0 +1,100 @@
+"""The cache layout a PD transfer moves: every runner describes its caches as named kinds, the
+fingerprint covers them all (names, shapes, dtypes, page size) and ignores only the pool sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrelay.config import CacheConfig, EngineConfig
+from kvrelay.disagg.agent import engine_layout
+from kvrelay.disagg.layout import PAGE, SLOT, CacheKind, fingerprint, layout_difference
+from kvrelay.engine.engine import Engine
+
+
+def _engine(model: str, **cache) -> Engine:
+    cache.setdefault("max_total_tokens", 1024)
+    dtype = cache.pop("dtype", "float32")
+    cfg = EngineConfig(
+        model=model, load_format="dummy", device="cpu", dtype=dtype, cache=CacheConfig(**cache)
+    )
+    return Engine(cfg)
+
+
+def _fp(engine: Engine) -> str:
+    return fingerprint(engine_layout(engine)[1])
+
+
+@pytest.fixture(scope="module")
+def dense() -> Engine:
+    return _engine("qwen3-tiny", page_size=16)
+
+
+@pytest.fixture(scope="module")
+def dsv4() -> Engine:
+    return _engine("dsv4-tiny")
+
+
+def test_dense_layout_is_k_and_v_per_layer_viewing_the_pool(dense):
+    kinds = dense.runner.transfer_layout()
+    c = dense.src.config
+    assert [k.name for k in kinds[:4]] == ["L0.k", "L0.v", "L1.k", "L1.v"]
+    assert len(kinds) == 2 * c.num_layers
+    assert all(k.unit == PAGE and k.ratio == 1 and not k.keep_last for k in kinds)
+    assert kinds[0].row_shape == (c.num_kv_heads, c.head_dim)
+    kinds[3].byte_rows[5].fill_(0xFF)  # a view: bytes written land in the pool
+    page, off = divmod(5, dense.runner.page_size)
+    assert torch.isnan(dense.runner.kv.buffer[1, 1, page, off]).all()
+    kinds[3].byte_rows[5].fill_(0)
+
+
+def test_dense_fingerprint_ignores_pool_size_but_not_shape_dtype_or_page_size(dense):
+    assert _fp(_engine("qwen3-tiny", page_size=16, max_total_tokens=4096)) == _fp(dense)
+    other_page = _engine("qwen3-tiny", page_size=32)
+    assert _fp(other_page) != _fp(dense)
+    why = layout_difference(engine_layout(dense)[1], engine_layout(other_page)[1])
+    assert "page_size=16" in why and "page_size=32" in why
+    bf16 = engine_layout(_engine("qwen3-tiny", page_size=16, dtype="bfloat16"))[1]
+    assert "L0.k" in layout_difference(engine_layout(dense)[1], bf16)
+
+
+def test_dsv4_layout_names_every_pool_tensor_once(dsv4):
+    kinds = {k.name: k for k in dsv4.runner.transfer_layout()}
+    pool = dsv4.runner.cache
+    assert kinds.keys() == pool.kinds.keys()
+    assert all(kinds[n].tensor is t for n, t in pool.kinds.items())
+    assert kinds["L0.swa_kv"].keep_last == pool.cfg.sliding_window - 1
+    assert (kinds["L1.c4_kv"].ratio, kinds["L1.c4_index_k"].ratio) == (4, 4)
+    assert kinds["L2.c16_kv"].ratio == 16 and kinds["L2.c16_kv"].tensor.shape[1] == 1
+    slots = {n for n, k in kinds.items() if k.unit == SLOT}
+    assert "L1.c4_state.prev_kv" in slots and "L1.c4_index_state.pending_score" in slots
+    assert "L2.c16_state.pending_kv" in slots and "L2.c16_state.prev_kv" not in slots
+    assert all(k.tensor.shape[0] == pool.num_slots for n, k in kinds.items() if n in slots)
+
+
+def test_dsv4_fp8_index_keys_change_the_fingerprint(dsv4):
+    fp8 = _engine("dsv4-tiny", index_k_dtype="fp8")
+    assert "L1.c4_index_k_scale" in {k.name for k in fp8.runner.transfer_layout()}
+    assert _fp(fp8) != _fp(dsv4) != _fp(_engine("qwen3-tiny", page_size=16))
+    why = layout_difference(engine_layout(dsv4)[1], engine_layout(fp8)[1])
+    assert "L1.c4_index_k" in why and "float8" in why
+
+
+@pytest.mark.parametrize(
+    "ratio, keep_last, start, end, n, rows",
+    [
+        (1, 0, 0, 22, 150, (0, 22)),
+        (4, 0, 0, 22, 150, (0, 5)),  # entry 5 (tokens 20-23) is not complete at token 22
+        (4, 0, 22, 44, 150, (5, 11)),  # ...it goes with the next chunk
+        (4, 0, 132, 150, 150, (33, 37)),  # tokens 148, 149 stay in the compressor state
+        (16, 0, 0, 22, 150, (0, 1)),
+        (16, 0, 22, 44, 150, (1, 2)),
+        (1, 15, 0, 22, 150, (135, 135)),  # out of the final window: nothing to send
+        (1, 15, 132, 150, 150, (135, 150)),
+        (1, 15, 0, 10, 10, (0, 10)),
+    ],
+)
+def test_row_range(ratio, keep_last, start, end, n, rows):
+    t = torch.zeros(4, 16 // ratio, 2)
+    kind = CacheKind("x", t, PAGE, 0, ratio=ratio, keep_last=keep_last)
+    assert kind.row_range(start, end, n) == rows
