@@ -170,7 +170,7 @@ def test_no_false_positives_over_200_sessions(server, tmp_path):
     rc = repro(
         f"--base-url={server.url}",
         *"--concurrency 32 --reference-concurrency 8 --num-sessions 200 --turns 2".split(),
-        *"--max-tokens 4 --task-words 0 --tool-result-len 0 --system-prompt=".split(),
+        *"--max-tokens 4 --task-words 0 --tool-result-len 0 --system-prompt=Agent.".split(),
         *f"--ledger off --output-json {out}".split(),
     )
     result = json.loads(out.read_text())
