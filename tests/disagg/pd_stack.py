@@ -90,7 +90,7 @@ def pd_gauges(url: str) -> dict[str, float]:
 
 
 @contextmanager
-def _engine_threads():
+def engine_threads():
     # One torch thread per engine: prefill and decode share the test machine's cores with the
     # single server, and oversubscribed intra-op threads slow everyone down many times over.
     saved = os.environ.get("KVRELAY_CPU_THREADS")
@@ -111,10 +111,11 @@ class PDStack:
         decode_args: tuple[str, ...] = (),
         router_args: tuple[str, ...] = (),
         max_total_tokens: int = 16384,
+        model: tuple[str, ...] = ("--model", "smollm2"),
     ) -> None:
-        common = ("--model", "smollm2", "--max-total-tokens", str(max_total_tokens))
+        common = (*model, "--max-total-tokens", str(max_total_tokens))
         self.decode = self.prefill = self.router = None
-        with _engine_threads(), ThreadPoolExecutor(2) as ex:  # the two load in parallel
+        with engine_threads(), ThreadPoolExecutor(2) as ex:  # the two load in parallel
             fd = ex.submit(
                 ServerProcess,
                 *common,
@@ -192,7 +193,7 @@ class PDStack:
         arguments plus `args` (argparse: a later flag wins)."""
         old = getattr(self, side)
         old.close()
-        with _engine_threads():
+        with engine_threads():
             setattr(self, side, ServerProcess(*old.args, *args, port=old.port))
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+from openai_calls import client, run_spec
 from pd_stack import PDStack
 
 MODEL = "smollm2"
@@ -67,71 +68,13 @@ def _specs() -> list[dict]:
     return specs
 
 
-def _run(client: openai.OpenAI, spec: dict) -> dict:
-    kw = dict(model=MODEL, max_tokens=spec["max_tokens"], temperature=0)
-    stream = spec["stream"]
-    if stream:
-        kw.update(stream=True, stream_options={"include_usage": True})
-    if spec["kind"] == "completion":
-        if spec["logprobs"] is not None:
-            kw["logprobs"] = spec["logprobs"]
-        r = client.completions.create(prompt=spec["prompt"], **kw)
-        if not stream:
-            c = r.choices[0]
-            lps = c.logprobs.token_logprobs if c.logprobs else None
-            return {
-                "text": c.text,
-                "finish": c.finish_reason,
-                "n": r.usage.completion_tokens,
-                "lps": lps,
-            }
-        text, lps, finish, n = "", [], None, None
-        for ch in r:
-            if ch.usage:
-                n = ch.usage.completion_tokens
-            for c in ch.choices:
-                text += c.text
-                finish = c.finish_reason or finish
-                if c.logprobs:
-                    lps += c.logprobs.token_logprobs
-        return {"text": text, "finish": finish, "n": n, "lps": lps or None}
-    if spec["logprobs"]:
-        kw.update(logprobs=True, top_logprobs=2)
-    r = client.chat.completions.create(
-        messages=[{"role": "user", "content": spec["content"]}], **kw
-    )
-    if not stream:
-        c = r.choices[0]
-        lps = [x.logprob for x in c.logprobs.content] if c.logprobs else None
-        return {
-            "text": c.message.content,
-            "finish": c.finish_reason,
-            "n": r.usage.completion_tokens,
-            "lps": lps,
-        }
-    text, lps, finish, n = "", [], None, None
-    for ch in r:
-        if ch.usage:
-            n = ch.usage.completion_tokens
-        for c in ch.choices:
-            text += c.delta.content or ""
-            finish = c.finish_reason or finish
-            if c.logprobs and c.logprobs.content:
-                lps += [x.logprob for x in c.logprobs.content]
-    return {"text": text, "finish": finish, "n": n, "lps": lps or None}
-
-
-def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
 def test_pd_matches_single_server_token_for_token(pd, server):
     specs = _specs()
-    single, router = _client(server.url), _client(pd.router.url)
+    single, router = client(server.url), client(pd.router.url)
     with ThreadPoolExecutor(len(specs)) as ex:
-        want = list(ex.map(lambda s: _run(single, s), specs))
+        want = list(ex.map(lambda s: run_spec(single, MODEL, s), specs))
     with ThreadPoolExecutor(len(specs)) as ex:
-        got = list(ex.map(lambda s: _run(router, s), specs))
+        got = list(ex.map(lambda s: run_spec(router, MODEL, s), specs))
     for spec, w, g in zip(specs, want, got, strict=True):
         label = f"{spec['kind']} stream={spec['stream']} max_tokens={spec['max_tokens']}"
         assert g["text"] == w["text"], label
@@ -150,8 +93,8 @@ def test_first_token_finishes_the_request(pd, server):
     kw = dict(
         model=MODEL, prompt="The capital of France is", max_tokens=1, temperature=0, logprobs=1
     )
-    w = _client(server.url).completions.create(**kw)
-    g = _client(pd.router.url).completions.create(**kw)
+    w = client(server.url).completions.create(**kw)
+    g = client(pd.router.url).completions.create(**kw)
     assert g.choices[0].text == w.choices[0].text and g.choices[0].finish_reason == "length"
     assert g.choices[0].logprobs.token_logprobs == pytest.approx(
         w.choices[0].logprobs.token_logprobs, abs=1e-3
@@ -160,7 +103,7 @@ def test_first_token_finishes_the_request(pd, server):
 
 
 def test_bad_request_is_a_400_through_the_router(pd):
-    c = _client(pd.router.url)
+    c = client(pd.router.url)
     with pytest.raises(openai.BadRequestError):
         c.completions.create(model=MODEL, prompt="hi", max_tokens=100_000)
     with pytest.raises(openai.NotFoundError):

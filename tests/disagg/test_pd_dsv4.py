@@ -1,0 +1,99 @@
+"""DeepSeek-V4 (dsv4-tiny, dummy weights) over PD == one server, token for token.
+
+Real processes: router + prefill + decode vs a single `kvrelay serve` of the same model. Prefill
+runs 22-token chunks (not a multiple of either compress ratio, 4 and 16), so chunks end
+mid-window and the prompts over 100 tokens carry compressed entries of both ratios, a full
+sliding window and open compressor windows in the state slot. Greedy tokens must be identical
+and logprobs match; afterwards pages, requests and transfers are back to idle on both sides.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from conftest import ServerProcess
+from openai_calls import client, run_spec
+from pd_stack import PDStack, engine_threads
+
+MODEL = "dsv4-tiny"
+SERVE = ("--model", MODEL, "--load-format", "dummy")
+STORY = (
+    "The old lighthouse keeper climbed the spiral stairs every evening, counting the steps, "
+    "listening to the sea, and writing the weather into a leather notebook. "
+)
+
+
+@pytest.fixture(scope="module")
+def stacks():
+    with engine_threads(), ThreadPoolExecutor(2) as ex:  # all four start in parallel
+        fs = ex.submit(
+            ServerProcess, *SERVE, "--max-total-tokens", "4096", "--max-num-batched-tokens", "64"
+        )
+        fp = ex.submit(
+            PDStack,
+            prefill_args=("--max-num-batched-tokens", "22"),
+            max_total_tokens=4096,
+            model=SERVE,
+        )
+    single = pd = None
+    try:
+        single, pd = fs.result(), fp.result()
+        yield single, pd
+    finally:
+        for f in (fs, fp):
+            if f.exception() is None:
+                f.result().close()
+
+
+def _specs() -> list[dict]:
+    prompts = [
+        "The capital of France is",
+        STORY,  # 30 tokens: two chunks
+        STORY * 6,  # 175 tokens
+        STORY * 4,  # 117 tokens: 7 ratio-16 and 29 ratio-4 entries, a full window
+        STORY * 2 + "1, 2, 3,",
+        STORY * 5,  # 146 tokens
+    ]
+    specs = [
+        {
+            "kind": "completion",
+            "prompt": p,
+            "stream": i % 2 == 1,
+            "max_tokens": 8 + 2 * i,
+            "logprobs": 2 if i % 3 == 0 else None,
+        }
+        for i, p in enumerate(prompts)
+    ]
+    chats = [("Name three colours.", True), (STORY * 4 + "What did the keeper write?", False)]
+    for i, (content, stream) in enumerate(chats):
+        specs.append(
+            {
+                "kind": "chat",
+                "content": content,
+                "stream": stream,
+                "max_tokens": 10,
+                "logprobs": i == 1,
+            }
+        )
+    return specs
+
+
+def test_pd_matches_single_server_token_for_token(stacks):
+    single, pd = stacks
+    specs = _specs()
+    with ThreadPoolExecutor(len(specs)) as ex:
+        want = list(ex.map(lambda s: run_spec(client(single.url), MODEL, s), specs))
+    with ThreadPoolExecutor(len(specs)) as ex:
+        got = list(ex.map(lambda s: run_spec(client(pd.router.url), MODEL, s), specs))
+    for spec, w, g in zip(specs, want, got, strict=True):
+        label = f"{spec['kind']} stream={spec['stream']} max_tokens={spec['max_tokens']}"
+        assert g["text"] == w["text"], label
+        assert g["finish"] == w["finish"] and g["n"] == w["n"], label
+        if w["lps"] is None:
+            assert g["lps"] is None, label
+        else:
+            assert g["lps"] == pytest.approx(w["lps"], abs=1e-4), label
+    pd.wait_idle()
+    assert pd.router.metric("kvrelay_router_requests_total", '{outcome="error"}') == 0
+    assert pd.router.metric("kvrelay_router_requests_total", '{outcome="ok"}') == len(specs)
