@@ -3,7 +3,9 @@ transfer checksum costs. Starts the servers itself (real processes, real HTTP) a
 with `kvrelay bench`.
 
 Modes: `single` (`kvrelay serve`), `pd` (`kvrelay up`: router + prefill + decode; on one GPU
-both servers share it), `pd-nocrc` (the same with `--no-transfer-checksum`).
+both servers share it; tcp backend), `pd-ipc` (cuda_ipc backend: prefill writes into decode's
+pages), `-nocrc` variants without the transfer checksum. The single server stays up while the PD
+modes run, and `kvrelay verify` checks each PD stack against it token for token.
 
     python benchmarks/pd_vs_single.py --out bench-results/pd_vs_single.json
 CPU dry run:  python benchmarks/pd_vs_single.py --model smollm2-135m --concurrency 1,2 \
@@ -25,7 +27,7 @@ import tempfile
 import time
 import urllib.request
 
-MODES = ("single", "pd", "pd-nocrc")
+MODES = ("single", "pd", "pd-nocrc", "pd-ipc", "pd-ipc-nocrc")
 
 
 def free_port() -> int:
@@ -61,7 +63,9 @@ def start(mode: str, a: argparse.Namespace, log_dir: str) -> tuple[subprocess.Po
     if mode == "single":
         cmd = ["serve", "--port", str(port), *common, *per_server]
     else:
-        extra = per_server + (["--no-transfer-checksum"] if mode == "pd-nocrc" else [])
+        extra = per_server + (["--no-transfer-checksum"] if mode.endswith("-nocrc") else [])
+        if mode.startswith("pd-ipc"):
+            extra += ["--transfer-backend", "cuda_ipc"]
         cmd = ["up", "--port", str(port), "--log-dir", os.path.join(log_dir, mode), *common]
         cmd += [f"--server-args={shlex.join(extra)}"]
         if a.gpus is not None:
@@ -104,6 +108,21 @@ def bench(url: str, a: argparse.Namespace, out_dir: str, mode: str) -> dict:
         return json.load(f)
 
 
+def verify(ref: str, url: str, a: argparse.Namespace, out_dir: str, mode: str) -> dict:
+    """Greedy, token for token: the PD stack against the single server."""
+    name = f"verify-{mode}.json"
+    cmd = [
+        sys.executable, "-m", "kvrelay.cli", "verify", ref, url,
+        "--num-prompts", str(a.verify_prompts), "--input-len", str(a.input_len),
+        "--output-len", "64", "--concurrency", "8", "--result-dir", out_dir,
+        "--result-filename", name, "--ledger", "off",
+    ]  # fmt: skip
+    rc = subprocess.run(cmd, check=False, timeout=a.bench_timeout).returncode
+    with open(os.path.join(out_dir, name)) as f:
+        v = json.load(f)
+    return {"exit_code": rc, "summary": v.get("summary", {})}
+
+
 def row(level: dict) -> dict:
     return {
         "concurrency": level["concurrency"],
@@ -130,6 +149,7 @@ def main() -> None:
     p.add_argument("--memory-fraction", type=float, default=0.4, help="per server")
     p.add_argument("--tokenizer", default=None, help="HF tokenizer dir for the servers")
     p.add_argument("--gpus", default=None, help="CUDA_VISIBLE_DEVICES of both PD servers")
+    p.add_argument("--verify-prompts", type=int, default=16, help="0: no verify")
     p.add_argument("--start-timeout", type=float, default=300)
     p.add_argument("--bench-timeout", type=float, default=900)
     p.add_argument("--out", default=None)
@@ -138,14 +158,26 @@ def main() -> None:
     # bench takes one --num-prompts; levels below the largest see the same number of requests.
     work = tempfile.mkdtemp(prefix="kvrelay-pd-bench-")
     results: dict = {"modes": {}, "meta": meta(a)}
-    for mode in a.modes.split(","):
-        proc, url = start(mode, a, work)
-        try:
-            res = bench(url, a, work, mode)
-        finally:
-            stop(proc)
-        results["modes"][mode] = [row(lv) for lv in res["levels"]]
+    single = None  # kept up as the reference of every PD mode's verify
+    try:
+        for mode in a.modes.split(","):
+            proc, url = start(mode, a, work)
+            try:
+                res = bench(url, a, work, mode)
+                if mode == "single":
+                    single, proc = (proc, url), None
+                elif single is not None and a.verify_prompts:
+                    results.setdefault("verify", {})[mode] = verify(single[1], url, a, work, mode)
+            finally:
+                if proc is not None:
+                    stop(proc)
+            results["modes"][mode] = [row(lv) for lv in res["levels"]]
+    finally:
+        if single is not None:
+            stop(single[0])
     print_table(results)
+    for mode, v in results.get("verify", {}).items():
+        print(f"verify single vs {mode}: exit {v['exit_code']} {json.dumps(v['summary'])[:300]}")
     print(f"logs and raw bench JSON: {work}")
     if a.out:
         with open(a.out, "w") as f:

@@ -102,8 +102,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--transfer-backend",
         default=x.transfer_backend,
-        choices=["tcp"],
-        help="KV transfer backend",
+        choices=["tcp", "cuda_ipc"],
+        help="KV transfer backend: tcp (anywhere; bytes through the host) or cuda_ipc (servers "
+        "on one host: prefill writes straight into decode's GPU pages)",
     )
     g.add_argument(
         "--transfer-host", default=x.transfer_host, help="decode: address the KV listener binds"

@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,nohe
 for b in ${BENCHES:-dsv4}; do
   case $b in
     decode) python3 benchmarks/decode_throughput.py --steps 20 --out "$OUT/decode_throughput.json" 2>&1 | tee "$OUT/decode_throughput.log" | grep -v Warning | tail -20 ;;
-    pd) python3 benchmarks/pd_vs_single.py --tokenizer .whl/tokenizer-smollm2 --gpus 0 --out "$OUT/pd_vs_single.json" 2>&1 | tee "$OUT/pd_vs_single.log" | grep -E "^(mode|single|pd)" ;;
+    pd) python3 benchmarks/pd_vs_single.py --tokenizer .whl/tokenizer-smollm2 --gpus 0 --out "$OUT/pd_vs_single.json" $PD_ARGS 2>&1 | tee "$OUT/pd_vs_single.log" | grep -E "^(mode|single|pd|verify)" ;;
     dsv4) python3 benchmarks/dsv4_reference.py --out "$OUT/dsv4_reference.json" 2>&1 | tee "$OUT/dsv4_reference.log" | grep -v Warning | tail -20 ;;
   esac
 done

@@ -20,6 +20,7 @@ from kvrelay.disagg import protocol as P
 from kvrelay.disagg.layout import CacheKind, describe_layout, fingerprint, layout_difference
 from kvrelay.disagg.transport import make_transport
 from kvrelay.disagg.transport.base import Connection
+from kvrelay.disagg.transport.cuda_ipc import export_tensors
 from kvrelay.engine.messages import RequestOutput
 
 log = logging.getLogger("kvrelay.disagg")
@@ -49,6 +50,9 @@ class TransferAgent:
         self.transport = make_transport(self.cfg.transfer_backend)
         self.instance_id = uuid.uuid4().hex[:16]
         self.kinds, self.layout_lines = engine_layout(engine)
+        self.in_place = self.cfg.transfer_backend == "cuda_ipc"
+        if self.in_place and engine.runner.device.type != "cuda":
+            raise ValueError("the cuda_ipc transfer backend needs the engine on a CUDA device")
         self.kind_by_name = {k.name: k for k in self.kinds}
         self.layout = fingerprint(self.layout_lines)
         self.events: queue.Queue[Event] = queue.Queue()
@@ -89,8 +93,13 @@ class TransferAgent:
     # -- transport threads -------------------------------------------------------------------------
 
     def hello(self) -> bytes:
+        ipc = b""
+        if self.in_place and self.role == "decode":  # prefill writes into these rows
+            ipc = export_tensors({k.name: k.byte_rows for k in self.kinds})
         return P.encode(
-            P.Hello(self.instance_id, self.role, self.layout, description=self.layout_lines)
+            P.Hello(
+                self.instance_id, self.role, self.layout, description=self.layout_lines, ipc=ipc
+            )
         )
 
     def layout_mismatch(self, peer: P.Hello) -> str:
@@ -107,7 +116,7 @@ class TransferAgent:
         except msgspec.DecodeError as e:
             raise ConnectionError(f"undecodable frame header: {e}") from e
         ok = True
-        if isinstance(msg, P.ChunkHeader):
+        if isinstance(msg, P.ChunkHeader) and not msg.in_place:  # in place: checked on install
             if payload.nbytes != msg.nbytes:
                 ok = False
             elif msg.checksum is not None and self.cfg.checksum:

@@ -37,6 +37,7 @@ class Hello(msgspec.Struct, tag=True):
     layout: str  # cache layout fingerprint: both sides must agree before any bytes move
     version: int = PROTOCOL_VERSION
     description: list[str] = []  # the layout, one line per cache kind: names what differs
+    ipc: bytes = b""  # decode on the cuda_ipc backend: CUDA IPC handles of its cache kinds
 
 
 class ReserveRequest(msgspec.Struct, tag=True):
@@ -52,6 +53,8 @@ class ReserveAck(msgspec.Struct, tag=True):
     transfer_id: str
     ok: bool
     reason: str = ""
+    pages: list[int] = []  # decode's pages and state slot for the prompt: where a backend
+    slot: int = 0  # that writes into decode's memory (cuda_ipc) puts the rows
 
 
 class ChunkHeader(msgspec.Struct, tag=True):
@@ -66,6 +69,8 @@ class ChunkHeader(msgspec.Struct, tag=True):
     token_end: int
     nbytes: int
     checksum: int | None  # crc32 of the payload; None when checksums are off
+    in_place: bool = False  # cuda_ipc: the rows were written into decode's pages, no payload;
+    # the checksum is then `device_checksum` of those rows
 
 
 class FirstToken(msgspec.Struct, tag=True):

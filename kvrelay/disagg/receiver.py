@@ -26,6 +26,7 @@ from kvrelay.disagg.layout import SLOT
 from kvrelay.disagg.pieces import expected_bytes, piece_rows, scatter
 from kvrelay.disagg.protocol import TState
 from kvrelay.disagg.transport.base import Connection
+from kvrelay.disagg.transport.cuda_ipc import device_checksum
 from kvrelay.engine.messages import RequestOutput, TokenLogprob
 from kvrelay.engine.request import Status
 
@@ -171,7 +172,8 @@ class DecodeReceiver(TransferAgent):
             return self._fail(t, P.Cause.IDENTITY, why, notify=False)
         t.conn = conn
         t.sm.to(TState.RECEIVING)
-        if not self._send(conn, P.ReserveAck(t.pd.transfer_id, True)):
+        ack = P.ReserveAck(t.pd.transfer_id, True, pages=list(req.pages), slot=req.state_slot)
+        if not self._send(conn, ack):
             self._fail(
                 t,
                 P.Cause.PEER_LOST,
@@ -261,6 +263,8 @@ class DecodeReceiver(TransferAgent):
         page_size = self.engine.runner.page_size
         rows = piece_rows(kinds, req.pages, req.state_slot, page_size, s, e, n_tok)
         expected = expected_bytes(kinds, rows)
+        if h.in_place:  # cuda_ipc: prefill already wrote the rows into our pages
+            return self._check_in_place(t, h, kinds, rows, expected)
         got = 0 if ev.payload is None else ev.payload.nbytes
         if got != expected or h.nbytes != expected:
             return self._fail(t, P.Cause.IDENTITY, f"chunk of {got} bytes, expected {expected}")
@@ -269,6 +273,26 @@ class DecodeReceiver(TransferAgent):
                 t, P.Cause.CHECKSUM, f"checksum mismatch on {h.kinds[0]}.. tokens [{s}, {e})"
             )
         scatter(kinds, rows, ev.payload)
+        for name in h.kinds:
+            t.filled[name] = e
+        t.num_chunks += 1
+
+    def _check_in_place(self, t: DecodeTransfer, h: P.ChunkHeader, kinds, rows, expected: int):
+        s, e = h.token_start, h.token_end
+        if not self.in_place:
+            return self._fail(t, P.Cause.IDENTITY, "an in-place piece, but decode shares no memory")
+        if h.nbytes != expected:
+            return self._fail(
+                t, P.Cause.IDENTITY, f"piece of {h.nbytes} bytes, expected {expected}"
+            )
+        if h.checksum is not None and self.cfg.checksum:
+            parts = [
+                k.byte_rows.index_select(0, r).reshape(-1) for k, r in zip(kinds, rows, strict=True)
+            ]
+            if device_checksum(torch.cat(parts)) != h.checksum:
+                return self._fail(
+                    t, P.Cause.CHECKSUM, f"checksum mismatch on {h.kinds[0]}.. tokens [{s}, {e})"
+                )
         for name in h.kinds:
             t.filled[name] = e
         t.num_chunks += 1

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 import msgspec
+import torch
 
 from kvrelay.disagg import protocol as P
 from kvrelay.disagg.agent import Event, TransferAgent
@@ -24,6 +25,7 @@ from kvrelay.disagg.layout import PAGE, SLOT, layer_groups
 from kvrelay.disagg.pieces import gather, piece_rows
 from kvrelay.disagg.protocol import TState
 from kvrelay.disagg.transport.base import Connection
+from kvrelay.disagg.transport.cuda_ipc import device_checksum, open_tensors
 from kvrelay.engine.messages import RequestOutput
 
 log = logging.getLogger("kvrelay.disagg")
@@ -35,6 +37,7 @@ class Peer:
     hello: threading.Event = field(default_factory=threading.Event)
     instance_id: str = ""
     error: str = ""
+    remote: dict | None = None  # cuda_ipc: decode's cache kinds (byte rows), opened here
 
 
 class DelayedSends:
@@ -67,6 +70,8 @@ class PrefillTransfer:
     first: RequestOutput | None = None
     sent: int = 0  # prompt tokens whose KV went to decode
     pieces: int = 0  # KV pieces sent
+    dst_pages: list[int] = field(default_factory=list)  # decode's, from its reservation ack
+    dst_slot: int = 0
     corrupt: bool = False  # TEST ONLY: damage the first non-empty piece
 
 
@@ -108,6 +113,11 @@ class PrefillSender(TransferAgent):
             if peer.conn is conn:
                 peer.error = self.layout_mismatch(msg)
                 peer.instance_id = msg.instance_id
+                if self.in_place and msg.ipc and not peer.error:
+                    try:
+                        peer.remote = open_tensors(msg.ipc)
+                    except Exception as e:  # another host, no peer access, ...: say so
+                        peer.error = f"cannot open decode's CUDA IPC handles: {e}"
                 peer.hello.set()
 
     def _peer(self, addr: str) -> Peer:
@@ -222,6 +232,8 @@ class PrefillSender(TransferAgent):
         rows = piece_rows(
             kinds, req.pages, req.state_slot, runner.page_size, start, end, len(req.prompt_ids)
         )
+        if t.peer.remote is not None:
+            return self._write_in_place(t, kinds, rows, start, end)
         buf = gather(kinds, rows)
         hdr = P.ChunkHeader(
             t.pd.transfer_id,
@@ -239,6 +251,31 @@ class PrefillSender(TransferAgent):
             corrupted[mid : mid + 16] = bytes(b ^ 0xFF for b in corrupted[mid : mid + 16])
             buf = memoryview(corrupted)
         if not self._send(t.peer.conn, hdr, [buf]):
+            raise ConnectionError("connection to decode lost while sending KV")
+        t.pieces += 1
+
+    def _write_in_place(self, t: PrefillTransfer, kinds: list, rows: list, start: int, end: int):
+        """cuda_ipc: copy the rows straight into decode's pages, then send only the header."""
+        n = len(t.req.prompt_ids)
+        dst = piece_rows(
+            kinds, t.dst_pages, t.dst_slot, self.engine.runner.page_size, start, end, n
+        )
+        parts = []
+        for k, src_r, dst_r in zip(kinds, rows, dst, strict=True):
+            src, peer_rows = k.byte_rows.index_select(0, src_r), t.peer.remote[k.name]
+            peer_rows.index_copy_(0, dst_r.to(peer_rows.device), src.to(peer_rows.device))
+            parts.append(src.reshape(-1))
+        data = torch.cat(parts)
+        if t.corrupt and data.numel() >= 16:  # TEST ONLY: damage what decode will read
+            t.corrupt = False
+            k, r = next((k, r) for k, r in zip(kinds, dst, strict=True) if len(r))
+            t.peer.remote[k.name][r[0], :16] ^= 0xFF
+        torch.cuda.synchronize(data.device)  # decode reads the rows once the header arrives
+        hdr = P.ChunkHeader(
+            t.pd.transfer_id, t.req.rid, [k.name for k in kinds], start, end, data.numel(),
+            device_checksum(data) if self.cfg.checksum else None, in_place=True,
+        )  # fmt: skip
+        if not self._send(t.peer.conn, hdr):
             raise ConnectionError("connection to decode lost while sending KV")
         t.pieces += 1
 
@@ -291,6 +328,7 @@ class PrefillSender(TransferAgent):
                     f"decode refused the reservation: {msg.reason}",
                     notify=False,
                 )
+            t.dst_pages, t.dst_slot = msg.pages, msg.slot
             t.sm.to(TState.PREFILLING)
             self.engine.scheduler.add(t.req)
         elif isinstance(msg, P.TransferDone):

@@ -10,4 +10,9 @@ def make_transport(name: str) -> Transport:
         from kvrelay.disagg.transport.tcp import TcpTransport
 
         return TcpTransport()
-    raise ValueError(f"unknown transfer backend {name!r} (available: tcp)")
+    if name == "cuda_ipc":
+        # Frames (headers) still go over TCP; the agents write the rows through CUDA IPC.
+        from kvrelay.disagg.transport.tcp import TcpTransport
+
+        return TcpTransport()
+    raise ValueError(f"unknown transfer backend {name!r} (available: tcp, cuda_ipc)")
