@@ -93,7 +93,11 @@ def test_pd_matches_single_server_token_for_token(stacks):
         if w["lps"] is None:
             assert g["lps"] is None, label
         else:
-            assert g["lps"] == pytest.approx(w["lps"], abs=1e-4), label
+            # 1e-4 relative: served dsv4-tiny simulates QAT (FP8 activations), which turns
+            # last-bit GEMM differences between differently composed batches into ~1e-5
+            # relative ones; a cache error changes tokens (test_dsv4_transfer_agents.py checks
+            # 1e-4 absolute with QAT off).
+            assert g["lps"] == pytest.approx(w["lps"], rel=1e-4, abs=1e-4), label
     pd.wait_idle()
     assert pd.router.metric("kvrelay_router_requests_total", '{outcome="error"}') == 0
     assert pd.router.metric("kvrelay_router_requests_total", '{outcome="ok"}') == len(specs)
