@@ -57,7 +57,12 @@ def start(mode: str, a: argparse.Namespace, log_dir: str) -> tuple[subprocess.Po
         "--model", a.model, "--load-format", "dummy",
         "--max-num-batched-tokens", str(a.max_num_batched_tokens),
     ]  # fmt: skip
-    per_server = ["--memory-fraction", str(a.memory_fraction)]  # `up` passes these on
+    per_server = [
+        "--memory-fraction",
+        str(a.memory_fraction),
+        "--dtype",
+        a.dtype,
+    ]  # `up` passes these on
     if a.tokenizer:
         per_server += ["--tokenizer", a.tokenizer]
     if mode == "single":
@@ -147,6 +152,7 @@ def main() -> None:
     p.add_argument("--prompts-per-level", type=int, default=4, help="x the largest concurrency")
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--memory-fraction", type=float, default=0.4, help="per server")
+    p.add_argument("--dtype", default="auto", help="bfloat16 on GPU; float32 for exact verify")
     p.add_argument("--tokenizer", default=None, help="HF tokenizer dir for the servers")
     p.add_argument("--gpus", default=None, help="CUDA_VISIBLE_DEVICES of both PD servers")
     p.add_argument("--verify-prompts", type=int, default=16, help="0: no verify")
