@@ -1,6 +1,6 @@
 #!/bin/bash
 # One batched GPU session (device tool): install the carried wheels, run the benchmarks named in
-# BENCHES (default: dsv4; also: decode, pd — pd needs .whl/tokenizer-smollm2, an HF tokenizer
+# BENCHES (default: dsv4; also: decode, ipc, pd — pd needs .whl/tokenizer-smollm2, an HF tokenizer
 # directory saved from the embedded GGUF, as the GGUF itself is too big to carry), then the GPU tests, print short tables.
 # Usage: BENCHES="decode dsv4" scripts/gpu_run.sh [pytest paths...]
 set -o pipefail
@@ -16,6 +16,7 @@ for b in ${BENCHES:-dsv4}; do
   case $b in
     decode) python3 benchmarks/decode_throughput.py --steps 20 --out "$OUT/decode_throughput.json" 2>&1 | tee "$OUT/decode_throughput.log" | grep -v Warning | tail -20 ;;
     pd) python3 benchmarks/pd_vs_single.py --tokenizer .whl/tokenizer-smollm2 --gpus 0 --out "$OUT/pd_vs_single.json" $PD_ARGS 2>&1 | tee "$OUT/pd_vs_single.log" | grep -E "^(mode|single|pd|verify)" ;;
+    ipc) python3 benchmarks/ipc_copy.py --out "$OUT/ipc_copy.json" 2>&1 | tee "$OUT/ipc_copy.log" | tail -12 ;;
     dsv4) python3 benchmarks/dsv4_reference.py --out "$OUT/dsv4_reference.json" 2>&1 | tee "$OUT/dsv4_reference.log" | grep -v Warning | tail -20 ;;
   esac
 done
