@@ -58,6 +58,16 @@ class TransferAgent:
         self.events: queue.Queue[Event] = queue.Queue()
         self.addr = ""
         self.failure_counts: dict[str, int] = {}  # cause -> failed transfers since start
+        # direction -> backend -> KV bytes since start (prefill: sent; decode: installed)
+        self.direction = "sent" if self.role == "prefill" else "installed"
+        self.byte_counts: dict[str, dict[str, int]] = {
+            self.direction: {self.cfg.transfer_backend: 0}
+        }
+        # event -> count since start. Counted on transport and heartbeat threads too, hence the lock.
+        self.bootstrap_counts: dict[str, int] = {}
+        self._bootstrap_lock = threading.Lock()
+        self._connected: set[Connection] = set()  # peers whose hello we accepted (-> peer_lost)
+        self._timings: list[tuple[str, str, float]] = []  # finished transfers, not yet shipped
         # Liveness runs on its own thread: a peer whose process is alive but whose engine is busy in a
         # long forward still answers; a peer that went silent (host gone, network cut) is dropped.
         self._live: dict[Connection, float] = {}  # connection -> when it last sent us anything
@@ -83,6 +93,7 @@ class TransferAgent:
                     log.warning(
                         "peer silent, dropping it peer=%s silent_s=%.1f", conn.peer, now - seen
                     )
+                    self._count_event("peer_silent")
                     conn.close()
                 elif not self.heartbeats_paused:
                     try:
@@ -147,6 +158,39 @@ class TransferAgent:
         # Counted here, where it happens: the API may have dropped the request already (the router
         # cancelled it), and the failure must still show in /metrics.
         self.failure_counts[cause] = self.failure_counts.get(cause, 0) + 1
+
+    def _count_event(self, event: str) -> None:
+        """A bootstrap event: peer_connected, peer_restarted, peer_lost, peer_silent,
+        layout_mismatch, handshake_timeout, connect_failed, ipc_open_failed."""
+        with self._bootstrap_lock:
+            self.bootstrap_counts[event] = self.bootstrap_counts.get(event, 0) + 1
+
+    def _connected_peer(self, conn: Connection) -> None:
+        self._connected.add(conn)
+        self._count_event("peer_connected")
+
+    def _lost_peer(self, conn: Connection) -> None:
+        # Only peers that completed the handshake: a refused or timed-out hello is its own event.
+        if conn in self._connected:
+            self._connected.discard(conn)
+            self._count_event("peer_lost")
+
+    def _count_bytes(self, nbytes: int, in_place: bool) -> None:
+        # By how the bytes moved: a cuda_ipc server paired with a tcp one sends through the socket.
+        per_backend = self.byte_counts[self.direction]
+        backend = "cuda_ipc" if in_place else "tcp"
+        per_backend[backend] = per_backend.get(backend, 0) + nbytes
+
+    def _observe(self, phase: str, seconds: float) -> None:
+        self._timings.append((self.role, phase, seconds))
+
+    def take_stats(self) -> tuple[dict[str, dict[str, int]], dict[str, int], list]:
+        """Byte and bootstrap totals since start, and the timings of transfers finished since the
+        last call (histogram samples can't be shipped as totals: each is handed over once)."""
+        with self._bootstrap_lock:
+            events = dict(self.bootstrap_counts)
+        timings, self._timings = self._timings, []
+        return {d: dict(b) for d, b in self.byte_counts.items()}, events, timings
 
     def _emit_failure(self, rid: str, tid: str, cause: str, message: str, state: str) -> None:
         self._count_failure(cause)

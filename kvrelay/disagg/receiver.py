@@ -41,6 +41,8 @@ class DecodeTransfer:
     conn: Connection | None = None
     filled: dict[str, int] = field(default_factory=dict)  # per cache kind: prompt tokens installed
     num_chunks: int = 0
+    reserved: float = field(default_factory=time.monotonic)  # when decode reserved its pages
+    install_s: float = 0.0  # time spent checking and installing pieces
 
 
 @dataclass
@@ -89,8 +91,12 @@ class DecodeReceiver(TransferAgent):
         mismatch = self.layout_mismatch(msg)
         if mismatch:
             log.error("prefill peer=%s refused: %s", conn.peer, mismatch)
+            self._count_event("layout_mismatch")
             conn.close()
         else:
+            # Prefill connects from a fresh port each time: a restart shows as peer_lost, then
+            # peer_connected with a new instance id (prefill itself counts peer_restarted).
+            self._connected_peer(conn)
             log.info("prefill connected peer=%s instance=%s", conn.peer, msg.instance_id)
 
     # -- engine hooks --------------------------------------------------------------------------------
@@ -264,7 +270,11 @@ class DecodeReceiver(TransferAgent):
         rows = piece_rows(kinds, req.pages, req.state_slot, page_size, s, e, n_tok)
         expected = expected_bytes(kinds, rows)
         if h.in_place:  # cuda_ipc: prefill already wrote the rows into our pages
-            return self._check_in_place(t, h, kinds, rows, expected)
+            began = time.monotonic()
+            if self._check_in_place(t, h, kinds, rows, expected):
+                t.install_s += time.monotonic() - began
+                self._count_bytes(expected, in_place=True)
+            return
         got = 0 if ev.payload is None else ev.payload.nbytes
         if got != expected or h.nbytes != expected:
             return self._fail(t, P.Cause.IDENTITY, f"chunk of {got} bytes, expected {expected}")
@@ -272,30 +282,38 @@ class DecodeReceiver(TransferAgent):
             return self._fail(
                 t, P.Cause.CHECKSUM, f"checksum mismatch on {h.kinds[0]}.. tokens [{s}, {e})"
             )
+        began = time.monotonic()
         scatter(kinds, rows, ev.payload)
         for name in h.kinds:
             t.filled[name] = e
         t.num_chunks += 1
+        t.install_s += time.monotonic() - began
+        self._count_bytes(expected, in_place=False)
 
-    def _check_in_place(self, t: DecodeTransfer, h: P.ChunkHeader, kinds, rows, expected: int):
+    def _check_in_place(
+        self, t: DecodeTransfer, h: P.ChunkHeader, kinds, rows, expected: int
+    ) -> bool:
+        """Verify an in-place piece; True when it counts as installed (else the transfer failed)."""
         s, e = h.token_start, h.token_end
         if not self.in_place:
-            return self._fail(t, P.Cause.IDENTITY, "an in-place piece, but decode shares no memory")
+            self._fail(t, P.Cause.IDENTITY, "an in-place piece, but decode shares no memory")
+            return False
         if h.nbytes != expected:
-            return self._fail(
-                t, P.Cause.IDENTITY, f"piece of {h.nbytes} bytes, expected {expected}"
-            )
+            self._fail(t, P.Cause.IDENTITY, f"piece of {h.nbytes} bytes, expected {expected}")
+            return False
         if h.checksum is not None and self.cfg.checksum:
             parts = [
                 k.byte_rows.index_select(0, r).reshape(-1) for k, r in zip(kinds, rows, strict=True)
             ]
             if device_checksum(torch.cat(parts)) != h.checksum:
-                return self._fail(
+                self._fail(
                     t, P.Cause.CHECKSUM, f"checksum mismatch on {h.kinds[0]}.. tokens [{s}, {e})"
                 )
+                return False
         for name in h.kinds:
             t.filled[name] = e
         t.num_chunks += 1
+        return True
 
     def _finish(self, t: DecodeTransfer, f: P.FirstToken) -> None:
         eng, req = self.engine, t.req
@@ -319,6 +337,8 @@ class DecodeReceiver(TransferAgent):
         t.sm.to(TState.DONE)
         del self.transfers[t.pd.transfer_id]
         self._send(t.conn, P.TransferDone(t.pd.transfer_id))
+        self._observe("transfer", time.monotonic() - t.reserved)  # reserved -> all installed
+        self._observe("install", t.install_s)
         req.num_computed = len(req.prompt_ids)
         req.output_ids.append(f.token_id)
         if req.params.temperature > 0 and req.generator is not None:
@@ -368,6 +388,7 @@ class DecodeReceiver(TransferAgent):
         self._emit_failure(t.req.rid, t.pd.transfer_id, cause, message, state)
 
     def _on_conn_lost(self, conn: Connection, reason: str) -> None:
+        self._lost_peer(conn)
         for tid, o in list(self.orphans.items()):
             if o.conn is conn:
                 del self.orphans[tid]

@@ -37,6 +37,7 @@ class Peer:
     hello: threading.Event = field(default_factory=threading.Event)
     instance_id: str = ""
     error: str = ""
+    event: str = ""  # the bootstrap event `error` counts as
     remote: dict | None = None  # cuda_ipc: decode's cache kinds (byte rows), opened here
 
 
@@ -73,6 +74,8 @@ class PrefillTransfer:
     dst_pages: list[int] = field(default_factory=list)  # decode's, from its reservation ack
     dst_slot: int = 0
     corrupt: bool = False  # TEST ONLY: damage the first non-empty piece
+    acked: float = 0.0  # monotonic time of decode's reservation ack
+    send_s: float = 0.0  # time spent sending pieces (gather, checksum, copy or socket)
 
 
 class PrefillSender(TransferAgent):
@@ -82,6 +85,7 @@ class PrefillSender(TransferAgent):
         super().__init__(engine)
         self.peers: dict[str, Peer] = {}
         self.transfers: dict[str, PrefillTransfer] = {}  # by rid
+        self.instance_at: dict[str, str] = {}  # decode address -> the instance last seen there
         self.page_groups = layer_groups(self.kinds, PAGE, self.cfg.layers_per_chunk)
         self.slot_groups = layer_groups(self.kinds, SLOT, self.cfg.layers_per_chunk)
         self._fault_rng = random.Random(engine.cfg.seed)
@@ -112,32 +116,45 @@ class PrefillSender(TransferAgent):
         for peer in list(self.peers.values()):
             if peer.conn is conn:
                 peer.error = self.layout_mismatch(msg)
+                peer.event = "layout_mismatch"
                 peer.instance_id = msg.instance_id
                 if self.in_place and msg.ipc and not peer.error:
                     try:
                         peer.remote = open_tensors(msg.ipc)
                     except Exception as e:  # another host, no peer access, ...: say so
                         peer.error = f"cannot open decode's CUDA IPC handles: {e}"
+                        peer.event = "ipc_open_failed"
                 peer.hello.set()
 
     def _peer(self, addr: str) -> Peer:
         peer = self.peers.get(addr)
         if peer is not None and not peer.conn.closed:
             return peer
-        conn = self.transport.connect(
-            addr, self._on_message, self._on_close, self.cfg.connect_timeout_s
-        )
+        try:
+            conn = self.transport.connect(
+                addr, self._on_message, self._on_close, self.cfg.connect_timeout_s
+            )
+        except (OSError, ConnectionError):
+            self._count_event("connect_failed")
+            raise
         peer = self.peers[addr] = Peer(conn)
         self.track(conn)
         conn.send(self.hello())
         if not peer.hello.wait(self.cfg.connect_timeout_s):
             conn.close()
+            self._count_event("handshake_timeout")
             raise ConnectionError(
                 f"decode at {addr} did not answer the hello within {self.cfg.connect_timeout_s}s"
             )
         if peer.error:
             conn.close()
+            self._count_event(peer.event)
             raise ValueError(peer.error)
+        self._connected_peer(conn)
+        before = self.instance_at.get(addr)
+        if before is not None and before != peer.instance_id:
+            self._count_event("peer_restarted")  # its old sessions died with the old connection
+        self.instance_at[addr] = peer.instance_id
         log.info("connected to decode addr=%s instance=%s", addr, peer.instance_id)
         return peer
 
@@ -234,6 +251,7 @@ class PrefillSender(TransferAgent):
         )
         if t.peer.remote is not None:
             return self._write_in_place(t, kinds, rows, start, end)
+        began = time.monotonic()
         buf = gather(kinds, rows)
         hdr = P.ChunkHeader(
             t.pd.transfer_id,
@@ -253,10 +271,12 @@ class PrefillSender(TransferAgent):
         if not self._send(t.peer.conn, hdr, [buf]):
             raise ConnectionError("connection to decode lost while sending KV")
         t.pieces += 1
+        t.send_s += time.monotonic() - began
+        self._count_bytes(buf.nbytes, in_place=False)
 
     def _write_in_place(self, t: PrefillTransfer, kinds: list, rows: list, start: int, end: int):
         """cuda_ipc: copy the rows straight into decode's pages, then send only the header."""
-        n = len(t.req.prompt_ids)
+        began, n = time.monotonic(), len(t.req.prompt_ids)
         dst = piece_rows(
             kinds, t.dst_pages, t.dst_slot, self.engine.runner.page_size, start, end, n
         )
@@ -278,6 +298,8 @@ class PrefillSender(TransferAgent):
         if not self._send(t.peer.conn, hdr):
             raise ConnectionError("connection to decode lost while sending KV")
         t.pieces += 1
+        t.send_s += time.monotonic() - began
+        self._count_bytes(data.numel(), in_place=True)
 
     def abort(self, rid: str) -> bool:
         t = self.transfers.pop(rid, None)
@@ -329,6 +351,7 @@ class PrefillSender(TransferAgent):
                     notify=False,
                 )
             t.dst_pages, t.dst_slot = msg.pages, msg.slot
+            t.acked = time.monotonic()
             t.sm.to(TState.PREFILLING)
             self.engine.scheduler.add(t.req)
         elif isinstance(msg, P.TransferDone):
@@ -338,6 +361,8 @@ class PrefillSender(TransferAgent):
                 )
             t.sm.to(TState.DONE)
             del self.transfers[t.req.rid]
+            self._observe("transfer", time.monotonic() - t.acked)  # ack -> decode installed all
+            self._observe("send", t.send_s)
             out = msgspec.structs.replace(t.first, finish_reason="transferred")
             self.engine.emit(out)
             log.debug("transfer done rid=%s transfer_id=%s", t.req.rid, t.pd.transfer_id)
@@ -361,6 +386,7 @@ class PrefillSender(TransferAgent):
         self._emit_failure(t.req.rid, t.pd.transfer_id, cause, message, state)
 
     def _on_conn_lost(self, conn: Connection, reason: str) -> None:
+        self._lost_peer(conn)
         for addr, peer in list(self.peers.items()):
             if peer.conn is conn:
                 del self.peers[addr]

@@ -65,6 +65,11 @@ class EngineStats(msgspec.Struct):
     num_prefill: int = 0  # sequences of the step that were prefill chunks (the rest decoded)
     pd_transfers: dict[str, int] | None = None  # PD roles: transfers per state (the agent's)
     pd_failures: dict[str, int] | None = None  # PD roles: failed transfers by cause, since start
+    # PD roles: KV bytes since start, direction ("sent" | "installed") -> backend -> bytes
+    pd_bytes: dict[str, dict[str, int]] | None = None
+    pd_bootstrap: dict[str, int] | None = None  # PD roles: bootstrap events since start
+    # PD roles: (side, phase, seconds) of the transfers finished since the previous stats
+    pd_timings: list[tuple[str, str, float]] | None = None
 
 
 class StepOutputs(msgspec.Struct, tag=True):

@@ -48,6 +48,7 @@ def die_with_parent() -> None:
 def _add_pd_stats(stats: EngineStats, agent) -> EngineStats:
     stats.pd_transfers = agent.state_counts()
     stats.pd_failures = dict(agent.failure_counts)
+    stats.pd_bytes, stats.pd_bootstrap, stats.pd_timings = agent.take_stats()
     return stats
 
 
@@ -125,6 +126,6 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str) -> None:
             # while idle, refresh the API's gauges when anything changed.
             next_idle_stats = time.monotonic() + 0.25
             stats = _add_pd_stats(engine.stats(), engine.agent)
-            if stats != last_stats:
+            if stats != last_stats or stats.pd_timings:  # timings are handed over once
                 outbox.send(enc.encode(StepOutputs([], stats)))
                 last_stats = stats

@@ -7,6 +7,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kvrelay.engine.messages import StepOutputs
 
 _LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60, 120)
+# A KV transfer: a short prompt over the GPU backend takes ~1 ms, a long one over TCP seconds.
+_TRANSFER = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
 
 
 class Metrics:
@@ -34,6 +36,30 @@ class Metrics:
             "kvrelay_pd_transfer_failures", "PD transfer failures by cause", ["cause"], registry=r
         )
         self._pd_failures_seen: dict[str, int] = {}  # the engine sends totals since its start
+        self.pd_bytes = Counter(
+            "kvrelay_pd_transfer_bytes",
+            "PD KV bytes: sent (prefill) or installed (decode), by how they moved",
+            ["direction", "backend"],
+            registry=r,
+        )
+        self._pd_bytes_seen: dict[tuple[str, str], int] = {}
+        self.pd_seconds = Histogram(
+            "kvrelay_pd_transfer_seconds",
+            "finished PD transfers: prefill transfer = reservation ack -> decode installed all, "
+            "send = time sending pieces; decode transfer = reservation -> first token installed, "
+            "install = time installing pieces",
+            ["side", "phase"],
+            buckets=_TRANSFER,
+            registry=r,
+        )
+        self.pd_bootstrap = Counter(
+            "kvrelay_pd_bootstrap_events",
+            "PD peer events: peer_connected, peer_restarted, peer_lost, peer_silent, "
+            "layout_mismatch, handshake_timeout, connect_failed, ipc_open_failed",
+            ["event"],
+            registry=r,
+        )
+        self._pd_bootstrap_seen: dict[str, int] = {}
         self.pd_transfers = Gauge(
             "kvrelay_pd_transfers", "PD transfers in flight by state", ["state"], registry=r
         )
@@ -65,9 +91,22 @@ class Metrics:
         for state, n in (s.pd_transfers or {}).items():
             self.pd_transfers.labels(state=state).set(n)
         for cause, total in (s.pd_failures or {}).items():
-            new = total - self._pd_failures_seen.get(cause, 0)
-            if new > 0:
-                self.pd_failures.labels(cause=cause).inc(new)
-                self._pd_failures_seen[cause] = total
+            _add_new(self.pd_failures.labels(cause=cause), self._pd_failures_seen, cause, total)
+        for direction, per_backend in (s.pd_bytes or {}).items():
+            for backend, total in per_backend.items():
+                counter = self.pd_bytes.labels(direction=direction, backend=backend)
+                _add_new(counter, self._pd_bytes_seen, (direction, backend), total)
+        for event, total in (s.pd_bootstrap or {}).items():
+            _add_new(self.pd_bootstrap.labels(event=event), self._pd_bootstrap_seen, event, total)
+        for side, phase, seconds in s.pd_timings or ():
+            self.pd_seconds.labels(side=side, phase=phase).observe(seconds)
         if s.batch_size:
             self.step.observe(s.step_ms / 1e3)
+
+
+def _add_new(counter: Counter, seen: dict, key, total: int) -> None:
+    """The engine sends totals since its start: add what is new since the last stats."""
+    new = total - seen.get(key, 0)
+    if new > 0:
+        counter.inc(new)
+        seen[key] = total

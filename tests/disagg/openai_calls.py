@@ -23,18 +23,19 @@ def run_spec(client: openai.OpenAI, model: str, spec: dict) -> dict:
                 "text": c.text,
                 "finish": c.finish_reason,
                 "n": r.usage.completion_tokens,
+                "prompt_n": r.usage.prompt_tokens,
                 "lps": lps,
             }
-        text, lps, finish, n = "", [], None, None
+        text, lps, finish, n, prompt_n = "", [], None, None, None
         for ch in r:
             if ch.usage:
-                n = ch.usage.completion_tokens
+                n, prompt_n = ch.usage.completion_tokens, ch.usage.prompt_tokens
             for c in ch.choices:
                 text += c.text
                 finish = c.finish_reason or finish
                 if c.logprobs:
                     lps += c.logprobs.token_logprobs
-        return {"text": text, "finish": finish, "n": n, "lps": lps or None}
+        return {"text": text, "finish": finish, "n": n, "prompt_n": prompt_n, "lps": lps or None}
     if spec["logprobs"]:
         kw.update(logprobs=True, top_logprobs=2)
     r = client.chat.completions.create(
@@ -47,18 +48,19 @@ def run_spec(client: openai.OpenAI, model: str, spec: dict) -> dict:
             "text": c.message.content,
             "finish": c.finish_reason,
             "n": r.usage.completion_tokens,
+            "prompt_n": r.usage.prompt_tokens,
             "lps": lps,
         }
-    text, lps, finish, n = "", [], None, None
+    text, lps, finish, n, prompt_n = "", [], None, None, None
     for ch in r:
         if ch.usage:
-            n = ch.usage.completion_tokens
+            n, prompt_n = ch.usage.completion_tokens, ch.usage.prompt_tokens
         for c in ch.choices:
             text += c.delta.content or ""
             finish = c.finish_reason or finish
             if c.logprobs and c.logprobs.content:
                 lps += [x.logprob for x in c.logprobs.content]
-    return {"text": text, "finish": finish, "n": n, "lps": lps or None}
+    return {"text": text, "finish": finish, "n": n, "prompt_n": prompt_n, "lps": lps or None}
 
 
 def client(url: str) -> openai.OpenAI:

@@ -89,6 +89,12 @@ def pd_gauges(url: str) -> dict[str, float]:
     return {k: v for k, v in metrics(url).items() if k.startswith("kvrelay_pd_transfers{")}
 
 
+def bootstrap_events(url: str) -> dict[str, float]:
+    """A prefill or decode server's PD bootstrap events by name."""
+    name = "kvrelay_pd_bootstrap_events_total{"
+    return {k.split('"')[1]: v for k, v in metrics(url).items() if k.startswith(name)}
+
+
 @contextmanager
 def engine_threads():
     # One torch thread per engine: prefill and decode share the test machine's cores with the

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from conftest import free_port
 from pd_stack import PDStack, metrics, pd_gauges
 
 MODEL = "smollm2"
@@ -25,12 +26,15 @@ STORY = (
     "The old lighthouse keeper climbed the spiral stairs every evening, counting the steps, "
     "listening to the sea, and writing the weather into a leather notebook. "
 )
+BOOTSTRAP = "kvrelay_pd_bootstrap_events_total"
 ERROR_BOUND_S = 15.0  # kill -> every in-flight request has its error (CPU shared with other tests)
 
 
 @pytest.fixture(scope="module")
 def stack():
-    s = PDStack(max_total_tokens=8192)
+    # A fixed KV listener port: the restarted decode is at the same address, so prefill can tell
+    # it restarted (a new instance id there).
+    s = PDStack(max_total_tokens=8192, decode_args=("--transfer-port", str(free_port())))
     yield s
     s.close()
 
@@ -215,6 +219,10 @@ def test_decode_killed_mid_transfer_then_restarted_alone(stack):
     print(f"decode restarted in {time.time() - t:.1f}s")
     _recovers(stack)
     stack.wait_idle()
+    events = _new_failures(stack.prefill.url, prefill_before, BOOTSTRAP)
+    print(f"prefill's bootstrap events: {events}")
+    assert events.get("peer_lost", 0) >= 1 and events.get("peer_restarted") == 1, events
+    assert events.get("peer_connected", 0) >= 1, events
 
 
 def test_prefill_killed_mid_transfer_then_restarted_alone(stack):
@@ -261,3 +269,7 @@ def test_prefill_killed_mid_transfer_then_restarted_alone(stack):
     print(f"prefill restarted in {time.time() - t:.1f}s")
     _recovers(stack)
     stack.wait_idle()
+    # Decode can't tell a restarted prefill (it connects from a fresh port): lost, then connected.
+    events = _new_failures(stack.decode.url, decode_before, BOOTSTRAP)
+    print(f"decode's bootstrap events: {events}")
+    assert events.get("peer_lost", 0) >= 1 and events.get("peer_connected", 0) >= 1, events

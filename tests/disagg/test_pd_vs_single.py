@@ -13,7 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 from openai_calls import client, run_spec
-from pd_stack import PDStack
+from pd_stack import PDStack, bootstrap_events, metrics
+
+from kvrelay.models.presets import PRESETS
 
 MODEL = "smollm2"
 STORY = (
@@ -70,6 +72,7 @@ def _specs() -> list[dict]:
 
 def test_pd_matches_single_server_token_for_token(pd, server):
     specs = _specs()
+    before = {side: metrics(getattr(pd, side).url) for side in ("prefill", "decode")}
     single, router = client(server.url), client(pd.router.url)
     with ThreadPoolExecutor(len(specs)) as ex:
         want = list(ex.map(lambda s: run_spec(single, MODEL, s), specs))
@@ -86,6 +89,25 @@ def test_pd_matches_single_server_token_for_token(pd, server):
     pd.wait_idle()
     assert pd.router.metric("kvrelay_router_requests_total", '{outcome="error"}') == 0
     assert pd.router.metric("kvrelay_router_requests_total", '{outcome="ok"}') == len(specs)
+    _check_transfer_metrics(pd, before, len(specs), sum(g["prompt_n"] for g in got))
+
+
+def _check_transfer_metrics(pd, before: dict, transfers: int, prompt_tokens: int) -> None:
+    """Both sides moved exactly the prompts' KV (every layer's K and V rows, fp32 on CPU), timed
+    each transfer once, and saw the peer connect."""
+    c = PRESETS["smollm2-135m"]  # the embedded SmolLM2's shape
+    want = prompt_tokens * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
+    moved = {"prefill": "sent", "decode": "installed"}
+    for side, direction in moved.items():
+        m, b = metrics(getattr(pd, side).url), before[side]
+        key = f'kvrelay_pd_transfer_bytes_total{{backend="tcp",direction="{direction}"}}'
+        assert m[key] - b.get(key, 0) == want > 0, side
+        for phase in ("transfer", "send") if side == "prefill" else ("transfer", "install"):
+            key = f'kvrelay_pd_transfer_seconds_count{{phase="{phase}",side="{side}"}}'
+            assert m[key] - b.get(key, 0) == transfers, (side, phase)
+        events = bootstrap_events(getattr(pd, side).url)
+        assert events.get("peer_connected", 0) >= 1, (side, events)
+        assert not events.get("layout_mismatch") and not events.get("peer_lost"), (side, events)
 
 
 def test_first_token_finishes_the_request(pd, server):

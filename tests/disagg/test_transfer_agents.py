@@ -77,6 +77,19 @@ def test_pd_equals_single_engine(pair, single):
         assert got[-1].finish_reason == "length" and got[-1].error is None
         assert pair.last("prefill", rid).finish_reason == "transferred"
     pair.assert_clean()
+    # What /metrics gets: the prompts' KV bytes on both sides, two timings per transfer per side.
+    want_bytes = sum(map(len, prompts)) * sum(k.row_bytes for k in pair.d.agent.kinds)
+    p_bytes, p_events, p_timings = pair.p.agent.take_stats()
+    d_bytes, d_events, d_timings = pair.d.agent.take_stats()
+    assert p_bytes == {"sent": {"tcp": want_bytes}} and d_bytes == {
+        "installed": {"tcp": want_bytes}
+    }
+    assert sorted({(s, p) for s, p, _ in p_timings + d_timings}) == [
+        ("decode", "install"), ("decode", "transfer"), ("prefill", "send"), ("prefill", "transfer")
+    ]  # fmt: skip
+    assert len(p_timings) == len(d_timings) == 2 * len(prompts)
+    assert p_events == d_events == {"peer_connected": 1}
+    assert pair.p.agent.take_stats()[2] == []  # timings are handed over once
 
 
 def test_kv_goes_to_decode_chunk_by_chunk_as_prefill_computes_it(pair, single):
