@@ -99,13 +99,14 @@ def test_sessions_are_seeded_and_tool_results_follow_the_calls():
 # --- real servers -----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def fault_server():
+    """Its own test's server only: stopped (KV pool freed) before the next test starts."""
     s = ServerProcess(
         "--model",
         "smollm2",
         "--max-total-tokens",
-        "65536",
+        "16384",
         "--max-num-batched-tokens",
         "512",
         "--test-fault-swap-token",
