@@ -135,7 +135,8 @@ def test_fault_flag_corruption_found_at_the_rate_p_predicts(fault_server, tmp_pa
     rc = repro(
         *f"--base-url {url} --concurrency 1,16 --reference-concurrency {K} --num-sessions {n}".split(),
         *f"--turns {turns} --max-tokens {max_tokens} --ignore-eos --task-words 0".split(),
-        *f"--tool-result-len 4 --ledger {ledger} --output-json {out}".split(),
+        # A one-word system prompt: prefill is what costs on CPU (the tools stay in each request).
+        *f"--system-prompt=Agent. --tool-result-len 4 --ledger {ledger} --output-json {out}".split(),
     )
     result = json.loads(out.read_text())
     assert rc == 1, fault_server.log()
