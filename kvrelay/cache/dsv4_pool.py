@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrelay.cache.page_allocator import row_index
 from kvrelay.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
 from kvrelay.models.deepseek_v4.precision import wide_dtype
 from kvrelay.models.deepseek_v4.state import CompressorState, LayerState
@@ -145,18 +146,13 @@ class DeepseekV4CachePool:
         return total * wide_dtype(dtype).itemsize
 
     # -- rows of a request ------------------------------------------------------------------
-    def _rows(self, pages: torch.Tensor, first: int, last: int, per_page: int, r: int):
-        """Flat row indices of units first..last-1 (a unit = r tokens) of a request."""
-        units = torch.arange(first, last, device=self.device)
-        return pages[units * r // self.page_size] * per_page + units % per_page
-
     def _read(self, pool: torch.Tensor, pages: torch.Tensor, first: int, last: int, r: int):
-        per_page = pool.shape[1]
-        return pool.flatten(0, 1)[self._rows(pages, first, last, per_page, r)]
+        idx = row_index(pages, first, last, r, self.page_size, pool.shape[1])
+        return pool.flatten(0, 1)[idx]
 
     def _write(self, pool, pages, first: int, rows: torch.Tensor, r: int) -> None:
         if rows.shape[0]:
-            idx = self._rows(pages, first, first + rows.shape[0], pool.shape[1], r)
+            idx = row_index(pages, first, first + rows.shape[0], r, self.page_size, pool.shape[1])
             pool.flatten(0, 1)[idx] = rows.to(pool.dtype)
 
     def _read_index_k(self, i: int, pages: torch.Tensor, n: int) -> torch.Tensor:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrelay.cache.page_allocator import row_index
+
 PAGE, SLOT = "page", "slot"
 
 
@@ -70,10 +72,8 @@ class CacheKind:
 
 def page_rows(kind: CacheKind, pages: list[int], page_size: int, first: int, last: int):
     """Flat row indices (into `kind.byte_rows`) of a request's rows first..last-1."""
-    per_page = kind.tensor.shape[1]
-    units = torch.arange(first, last)
-    idx = torch.tensor(pages, dtype=torch.long)[units * kind.ratio // page_size]
-    return (idx * per_page + units % per_page).to(kind.tensor.device)
+    pages_t = torch.tensor(pages, dtype=torch.long, device=kind.tensor.device)
+    return row_index(pages_t, first, last, kind.ratio, page_size, kind.tensor.shape[1])
 
 
 def describe_layout(kinds: list[CacheKind], page_size: int, vocab_size: int) -> list[str]:

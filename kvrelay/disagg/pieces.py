@@ -36,11 +36,15 @@ def expected_bytes(kinds: list[CacheKind], rows: list[torch.Tensor]) -> int:
     return sum(k.row_bytes * len(r) for k, r in zip(kinds, rows, strict=True))
 
 
+def gather_rows(kinds: list[CacheKind], rows: list[torch.Tensor]) -> torch.Tensor:
+    """Each kind's rows, in order, as one byte tensor on the cache's device."""
+    parts = [k.byte_rows.index_select(0, r).reshape(-1) for k, r in zip(kinds, rows, strict=True)]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
 def gather(kinds: list[CacheKind], rows: list[torch.Tensor]) -> memoryview:
     """The piece's payload: each kind's rows, in order, as host bytes."""
-    parts = [k.byte_rows.index_select(0, r).reshape(-1) for k, r in zip(kinds, rows, strict=True)]
-    data = torch.cat(parts).cpu() if parts else torch.empty(0, dtype=torch.uint8)
-    return memoryview(data.numpy())
+    return memoryview(gather_rows(kinds, rows).cpu().numpy())
 
 
 def scatter(kinds: list[CacheKind], rows: list[torch.Tensor], payload: memoryview | None) -> None:

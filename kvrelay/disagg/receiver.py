@@ -23,7 +23,7 @@ from kvrelay.cache.page_allocator import pages_for
 from kvrelay.disagg import protocol as P
 from kvrelay.disagg.agent import Event, TransferAgent
 from kvrelay.disagg.layout import SLOT
-from kvrelay.disagg.pieces import expected_bytes, piece_rows, scatter
+from kvrelay.disagg.pieces import expected_bytes, gather_rows, piece_rows, scatter
 from kvrelay.disagg.protocol import TState
 from kvrelay.disagg.transport.base import Connection
 from kvrelay.disagg.transport.cuda_ipc import device_checksum
@@ -269,51 +269,39 @@ class DecodeReceiver(TransferAgent):
         page_size = self.engine.runner.page_size
         rows = piece_rows(kinds, req.pages, req.state_slot, page_size, s, e, n_tok)
         expected = expected_bytes(kinds, rows)
-        if h.in_place:  # cuda_ipc: prefill already wrote the rows into our pages
-            began = time.monotonic()
-            if self._check_in_place(t, h, kinds, rows, expected):
-                t.install_s += time.monotonic() - began
-                self._count_bytes(expected, in_place=True)
-            return
-        got = 0 if ev.payload is None else ev.payload.nbytes
-        if got != expected or h.nbytes != expected:
-            return self._fail(t, P.Cause.IDENTITY, f"chunk of {got} bytes, expected {expected}")
-        if not ev.checksum_ok:
-            return self._fail(
-                t, P.Cause.CHECKSUM, f"checksum mismatch on {h.kinds[0]}.. tokens [{s}, {e})"
-            )
         began = time.monotonic()
-        scatter(kinds, rows, ev.payload)
+        if h.in_place:  # cuda_ipc: prefill already wrote the rows into our pages
+            bad = self._in_place_problem(h, kinds, rows, expected)
+        else:
+            bad = self._payload_problem(h, ev, expected)
+        if bad:
+            return self._fail(t, *bad)
+        if not h.in_place:
+            scatter(kinds, rows, ev.payload)
         for name in h.kinds:
             t.filled[name] = e
         t.num_chunks += 1
         t.install_s += time.monotonic() - began
-        self._count_bytes(expected, in_place=False)
+        self._count_bytes(expected, in_place=h.in_place)
 
-    def _check_in_place(
-        self, t: DecodeTransfer, h: P.ChunkHeader, kinds, rows, expected: int
-    ) -> bool:
-        """Verify an in-place piece; True when it counts as installed (else the transfer failed)."""
-        s, e = h.token_start, h.token_end
+    @staticmethod
+    def _payload_problem(h: P.ChunkHeader, ev: Event, expected: int) -> tuple[str, str] | None:
+        got = 0 if ev.payload is None else ev.payload.nbytes
+        if got != expected or h.nbytes != expected:
+            return P.Cause.IDENTITY, f"chunk of {got} bytes, expected {expected}"
+        if not ev.checksum_ok:
+            return P.Cause.CHECKSUM, _mismatch(h)
+        return None
+
+    def _in_place_problem(self, h: P.ChunkHeader, kinds, rows, expected: int):
         if not self.in_place:
-            self._fail(t, P.Cause.IDENTITY, "an in-place piece, but decode shares no memory")
-            return False
+            return P.Cause.IDENTITY, "an in-place piece, but decode shares no memory"
         if h.nbytes != expected:
-            self._fail(t, P.Cause.IDENTITY, f"piece of {h.nbytes} bytes, expected {expected}")
-            return False
+            return P.Cause.IDENTITY, f"piece of {h.nbytes} bytes, expected {expected}"
         if h.checksum is not None and self.cfg.checksum:
-            parts = [
-                k.byte_rows.index_select(0, r).reshape(-1) for k, r in zip(kinds, rows, strict=True)
-            ]
-            if device_checksum(torch.cat(parts)) != h.checksum:
-                self._fail(
-                    t, P.Cause.CHECKSUM, f"checksum mismatch on {h.kinds[0]}.. tokens [{s}, {e})"
-                )
-                return False
-        for name in h.kinds:
-            t.filled[name] = e
-        t.num_chunks += 1
-        return True
+            if device_checksum(gather_rows(kinds, rows)) != h.checksum:
+                return P.Cause.CHECKSUM, _mismatch(h)
+        return None
 
     def _finish(self, t: DecodeTransfer, f: P.FirstToken) -> None:
         eng, req = self.engine, t.req
@@ -421,6 +409,10 @@ class DecodeReceiver(TransferAgent):
                     o.conn,
                     P.ReserveAck(tid, False, "decode never received its copy of the request"),
                 )
+
+
+def _mismatch(h: P.ChunkHeader) -> str:
+    return f"checksum mismatch on {h.kinds[0]}.. tokens [{h.token_start}, {h.token_end})"
 
 
 def _run_now(sched, req) -> None:

@@ -8,6 +8,8 @@ corrupt bytes, no slot on decode, abort) must give back pages and state slots on
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from engine_pair import pairs
@@ -26,7 +28,7 @@ def _src(qat: bool = False):
     # QAT off: its roundings turn last-bit differences between batch shapes into visible ones
     # (see tests/engine/test_dsv4_engine.py); the process test keeps it on.
     src = resolve("dsv4-tiny", "dummy")
-    return type(src)(**{**src.__dict__, "config": src.config.with_(qat_simulation=qat)})
+    return dataclasses.replace(src, config=src.config.with_(qat_simulation=qat))
 
 
 def _engine(

@@ -9,6 +9,8 @@ tolerance. One test keeps it on and checks greedy tokens only.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -25,7 +27,7 @@ VOCAB = resolve("dsv4-tiny", "dummy").config.vocab_size  # widened to the borrow
 
 def make_engine(qat: bool = False, max_tokens: int = 8192, budget: int = 2048, **cache) -> Engine:
     src = resolve("dsv4-tiny", "dummy")
-    src = type(src)(**{**src.__dict__, "config": src.config.with_(qat_simulation=qat)})
+    src = dataclasses.replace(src, config=src.config.with_(qat_simulation=qat))
     cfg = EngineConfig(
         model="dsv4-tiny",
         load_format="dummy",

@@ -4,6 +4,8 @@ agrees with the CPU."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -18,7 +20,7 @@ pytestmark = pytest.mark.gpu
 def _engine(device: str, expert_format: str = "dense", chunk: int = 7) -> Engine:
     src = resolve("dsv4-tiny", "dummy")
     c = src.config.with_(qat_simulation=False, expert_format=expert_format)
-    src = type(src)(**{**src.__dict__, "config": c})
+    src = dataclasses.replace(src, config=c)
     cfg = EngineConfig(
         model="dsv4-tiny",
         load_format="dummy",
