@@ -49,6 +49,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-cuda-graphs", action="store_true", help="run decode eagerly on GPU")
     g.add_argument("--max-cuda-graph-batch", type=int, default=d.max_cuda_graph_batch)
     g.add_argument(
+        "--step-profile-every",
+        type=int,
+        default=d.step_profile_every,
+        metavar="N",
+        help="split every N-th engine step into attention / mlp or moe / communication / other "
+        "(CUDA events; that step runs without CUDA graphs) and report it in /telemetry/steps "
+        "and /metrics; 0: off (POST /telemetry/profile changes it at run time)",
+    )
+    g.add_argument(
         "--max-model-len", type=int, default=None, help="context limit (default: the model's)"
     )
     g.add_argument("--seed", type=int, default=d.seed)
@@ -189,6 +198,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         attention_backend=a.attention_backend,
         cuda_graphs=not a.disable_cuda_graphs,
         max_cuda_graph_batch=a.max_cuda_graph_batch,
+        step_profile_every=a.step_profile_every,
         max_model_len=a.max_model_len,
         seed=a.seed,
         cache=CacheConfig(

@@ -111,6 +111,15 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         default=0.5,
         help="seconds between polls of the server's gauges during a level (0: off)",
     )
+    g.add_argument(
+        "--step-profile-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="have the server split every N-th engine step into attention / mlp or moe / "
+        "communication / other during the run (those steps run without CUDA graphs; restored "
+        "afterwards); default: leave the server's setting",
+    )
     g.add_argument("--result-dir", default="bench-results", help="where the JSON and PNG files go")
     g.add_argument(
         "--result-filename",
@@ -298,6 +307,7 @@ def config_from_args(a: argparse.Namespace) -> BenchConfig:
         request_timeout_s=a.request_timeout,
         metrics_interval_s=a.metrics_interval,
         save_detailed=a.save_detailed,
+        step_profile_every=a.step_profile_every,
     )
 
 

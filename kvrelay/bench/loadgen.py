@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from kvrelay.bench import metrics as bm
-from kvrelay.bench import stepfit
+from kvrelay.bench import stepfit, stepsplit
 from kvrelay.bench.metrics import RequestRecord
 from kvrelay.bench.workloads import (
     CHAT,
@@ -59,6 +59,9 @@ class BenchConfig:
     request_timeout_s: float = 600.0
     metrics_interval_s: float = 0.5  # polling of server gauges during a level; 0 disables
     save_detailed: bool = False
+    # Ask the server to split every N-th step into components during the run (then restore);
+    # None: leave the server's setting alone.
+    step_profile_every: int | None = None
 
     def __post_init__(self) -> None:
         if bool(self.concurrency) == bool(self.request_rates):
@@ -79,6 +82,8 @@ class BenchConfig:
             raise BenchError("percentiles must be between 0 and 100")
         if not self.request_timeout_s > 0:
             raise BenchError("request_timeout_s must be positive")
+        if self.step_profile_every is not None and self.step_profile_every < 0:
+            raise BenchError("step_profile_every must not be negative")
 
     @property
     def mode(self) -> str:
@@ -292,6 +297,18 @@ async def steps_since(client: httpx.AsyncClient, base_url: str, seq: int | None)
         return None
 
 
+async def set_step_profile(client: httpx.AsyncClient, base_url: str, every: int) -> int:
+    """Tell the server to profile every N-th step; returns its previous setting."""
+    try:
+        r = await client.post(base_url + "/telemetry/profile", json={"every": every}, timeout=10)
+        r.raise_for_status()
+        return r.json()["previous"]
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        raise BenchError(
+            f"the server cannot profile its steps (POST /telemetry/profile): {e}"
+        ) from e
+
+
 async def resolve_model(client: httpx.AsyncClient, base_url: str) -> str:
     try:
         r = await client.get(base_url + "/v1/models", timeout=10)
@@ -386,10 +403,17 @@ async def run_sweep(cfg: BenchConfig, progress: Progress | None = None) -> dict:
         if cfg.num_warmups:
             await _warm_up(client, base, model, cfg, cal, preamble)
         levels, steps = [], []
-        for i, level in enumerate(cfg.levels()):
-            out, level_steps = await _run_level(client, base, model, cfg, cal, i, level, progress)
-            levels.append(out)
-            steps += level_steps
+        restore = None
+        if cfg.step_profile_every is not None:
+            restore = await set_step_profile(client, base, cfg.step_profile_every)
+        try:
+            for i, level in enumerate(cfg.levels()):
+                out, lv_steps = await _run_level(client, base, model, cfg, cal, i, level, progress)
+                levels.append(out)
+                steps.append(lv_steps)
+        finally:
+            if restore is not None:
+                await set_step_profile(client, base, restore)
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": "kvrelay.bench",
@@ -406,8 +430,9 @@ async def run_sweep(cfg: BenchConfig, progress: Progress | None = None) -> dict:
         "environment": _environment(),
         "levels": levels,
         "totals": _totals(levels),
-        # Across all levels: the batch sizes of a sweep span what one level cannot.
-        "step_fit": stepfit.fit_step_time(steps) if steps else None,
+        # Across all levels (each weighing the same): a sweep spans batch sizes one level cannot.
+        "step_fit": stepfit.fit_step_time(steps) if any(steps) else None,
+        "step_split": stepsplit.component_split(steps) if any(steps) else None,
     }
 
 
@@ -509,6 +534,7 @@ async def _run_level(
             "scripted": sum(s.scripted_tool_calls for s in agents),
         }
     out["step_fit"] = stepfit.fit_step_time(steps)
+    out["step_split"] = stepsplit.component_split(steps)
     out["steps_dropped"] = telemetry["dropped"] if telemetry else None
     if cfg.save_detailed:
         out["requests"] = [_detail(r) for r in records]

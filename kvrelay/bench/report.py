@@ -10,6 +10,7 @@ from typing import IO
 
 from kvrelay.bench.metrics import percentile_key
 from kvrelay.bench.stepfit import describe
+from kvrelay.bench.stepsplit import describe_split
 
 LATENCIES = (
     ("ttft_ms", "TTFT"),
@@ -69,10 +70,16 @@ def error_lines(result: dict) -> list[str]:
 
 
 def step_fit_line(result: dict) -> list[str]:
-    """The step-time model fitted over the sweep, if the server reported its steps."""
+    """The step-time model fitted over the sweep and, for profiled runs, the split of a decode
+    step per level and the components' lines over the sweep; if the server reported steps."""
     if all(lv.get("steps_dropped") is None for lv in result["levels"]):
         return []  # a server without /telemetry/steps
-    return [describe(result.get("step_fit"))]
+    lines = [describe(result.get("step_fit"))]
+    per_level = [describe_split(lv.get("step_split"), level_label(lv)) for lv in result["levels"]]
+    lines += [line for line in per_level if line]
+    if len(result["levels"]) > 1 and result.get("step_split"):
+        lines.append(describe_split(result["step_split"], "sweep"))
+    return lines
 
 
 def print_table(result: dict, file: IO[str]) -> None:

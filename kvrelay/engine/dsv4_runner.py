@@ -13,6 +13,7 @@ from kvrelay.config import EngineConfig
 from kvrelay.disagg.layout import PAGE, SLOT, CacheKind
 from kvrelay.engine.runner import cache_budget, pick_device, pick_dtype
 from kvrelay.engine.scheduler import ScheduledRequest
+from kvrelay.layers.step_profile import StepProfiler
 from kvrelay.models.deepseek_v4.paged import PagedSequence, forward_paged
 from kvrelay.weights.loader import ModelSource, build_model
 
@@ -83,9 +84,15 @@ class DeepseekV4Runner:
         return kinds
 
     @torch.inference_mode()
-    def forward(self, batch: list[ScheduledRequest], all_rows: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        batch: list[ScheduledRequest],
+        profile: StepProfiler | None = None,
+        all_rows: bool = False,
+    ) -> torch.Tensor:
         """Logits [N, V] (float32) of the batch's sampling rows in order (every row if
-        `all_rows`: tests compare whole chunks with the full-sequence forward)."""
+        `all_rows`: tests compare whole chunks with the full-sequence forward); `profile` times
+        the step's components."""
         ids: list[int] = []
         seqs: list[PagedSequence] = []
         sample_rows: list[int] = []
@@ -101,5 +108,7 @@ class DeepseekV4Runner:
                 sample_rows.append(rows.stop - 1)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         rows_t = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        logits = forward_paged(self.model, input_ids, seqs, self.cache, rows_t, self.layer_hook)
+        logits = forward_paged(
+            self.model, input_ids, seqs, self.cache, rows_t, self.layer_hook, profile
+        )
         return logits.float()

@@ -15,6 +15,7 @@ from kvrelay.engine.request import Request
 from kvrelay.engine.runner import make_runner
 from kvrelay.engine.sampler import sample
 from kvrelay.engine.scheduler import Scheduler
+from kvrelay.layers.step_profile import COMMUNICATION, StepProfiler, timed
 from kvrelay.weights.loader import ModelSource, resolve
 
 log = logging.getLogger("kvrelay.engine")
@@ -32,6 +33,9 @@ class Engine:
         self._rng = random.Random(cfg.seed)
         self._pending: list[RequestOutput] = []
         self.last_step_ms = 0.0
+        self.profiler = StepProfiler(self.runner.device)
+        self.profile_every = cfg.step_profile_every  # 0: no step is profiled
+        self._batch_steps = 0  # steps that ran a batch, for profile_every
         self.agent = None  # PD transfer agent (prefill: sender, decode: receiver)
         if cfg.role == "prefill":
             from kvrelay.disagg.sender import PrefillSender
@@ -105,7 +109,13 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work or bool(self._pending)
 
-    def stats(self, batch_size: int = 0, num_tokens: int = 0, num_prefill: int = 0) -> EngineStats:
+    def stats(
+        self,
+        batch_size: int = 0,
+        num_tokens: int = 0,
+        num_prefill: int = 0,
+        components: dict[str, float] | None = None,
+    ) -> EngineStats:
         a = self.runner.allocator
         return EngineStats(
             num_running=len(self.scheduler.running),
@@ -117,6 +127,7 @@ class Engine:
             batch_size=batch_size,
             num_tokens=num_tokens,
             num_prefill=num_prefill,
+            components=components,
         )
 
     def _fail(self, req: Request, reason: str, error: str | None = None) -> None:
@@ -135,8 +146,10 @@ class Engine:
             return StepOutputs(outputs, self.stats())
         # Prefill: a chunk of several tokens, or the first token of a request (step telemetry).
         num_prefill = sum(1 for s in batch if s.num_new_tokens > 1 or not s.req.output_ids)
+        every, self._batch_steps = self.profile_every, self._batch_steps + 1
+        profile = self.profiler if every > 0 and self._batch_steps % every == 0 else None
         try:
-            logits = self.runner.forward(batch)
+            logits = self.runner.forward(batch, profile)
             sampling = [s.req for s in batch if s.samples]
             result = sample(
                 logits,
@@ -151,6 +164,8 @@ class Engine:
             outputs += self._pending
             self._pending = []
             self.last_step_ms = (time.perf_counter() - t0) * 1e3  # time lost counts too
+            if profile is not None:
+                profile.finish(self.last_step_ms)  # drops the broken step's regions
             return StepOutputs(outputs, self.stats())
         self.scheduler.advance(batch)
         fault = self._fault_active(len(batch))
@@ -165,12 +180,11 @@ class Engine:
                 top_logprobs=None if result.top_logprobs[i] is None else [result.top_logprobs[i]],
                 num_prompt_tokens=len(req.prompt_ids),
             )
-            if (
-                self.agent is not None
-                and self.agent.role == "prefill"
-                and self.agent.on_sampled(req, out)
-            ):
-                continue  # shipped to decode with the prompt's KV; decode continues from here
+            if self.agent is not None and self.agent.role == "prefill":
+                with timed(profile, COMMUNICATION):
+                    shipped = self.agent.on_sampled(req, out)
+                if shipped:
+                    continue  # sent to decode with the prompt's KV; decode continues from here
             req.output_ids.append(tok)
             reason = out.finish_reason = self._stop_reason(req, tok)
             if reason is not None:
@@ -178,7 +192,8 @@ class Engine:
             outputs.append(out)
         self.last_step_ms = (time.perf_counter() - t0) * 1e3
         num_tokens = sum(s.num_new_tokens for s in batch)
-        return StepOutputs(outputs, self.stats(len(batch), num_tokens, num_prefill))
+        split = None if profile is None else profile.finish(self.last_step_ms)
+        return StepOutputs(outputs, self.stats(len(batch), num_tokens, num_prefill, split))
 
     def _fault_active(self, batch_size: int) -> bool:
         return self.cfg.fault_swap_token_p > 0 and batch_size > self.cfg.fault_swap_token_min_batch

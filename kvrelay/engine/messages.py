@@ -36,6 +36,10 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
+class SetStepProfile(msgspec.Struct, tag=True):
+    every: int  # profile every N-th step that runs a batch; 0: off
+
+
 class TokenLogprob(msgspec.Struct, array_like=True):
     token_id: int
     logprob: float
@@ -63,6 +67,8 @@ class EngineStats(msgspec.Struct):
     batch_size: int
     num_tokens: int
     num_prefill: int = 0  # sequences of the step that were prefill chunks (the rest decoded)
+    # A profiled (eager) step: ms per component (attention, mlp | moe, communication, other).
+    components: dict[str, float] | None = None
     pd_transfers: dict[str, int] | None = None  # PD roles: transfers per state (the agent's)
     pd_failures: dict[str, int] | None = None  # PD roles: failed transfers by cause, since start
     # PD roles: KV bytes since start, direction ("sent" | "installed") -> backend -> bytes
@@ -92,5 +98,5 @@ class EngineFailed(msgspec.Struct, tag=True):
     message: str
 
 
-ToEngine = AddRequest | AbortRequest | Shutdown
+ToEngine = AddRequest | AbortRequest | Shutdown | SetStepProfile
 FromEngine = StepOutputs | EngineReady | EngineFailed

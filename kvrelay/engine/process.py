@@ -19,6 +19,7 @@ from kvrelay.engine.messages import (
     EngineFailed,
     EngineReady,
     EngineStats,
+    SetStepProfile,
     Shutdown,
     StepOutputs,
     ToEngine,
@@ -109,6 +110,9 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str) -> None:
                 engine.add(msg)
             elif isinstance(msg, AbortRequest):
                 engine.abort(msg.rid)
+            elif isinstance(msg, SetStepProfile):
+                engine.profile_every = max(msg.every, 0)
+                log.info("step profiling every=%d", engine.profile_every)
             elif isinstance(msg, Shutdown):
                 log.info("engine shutting down")
                 if engine.agent is not None:

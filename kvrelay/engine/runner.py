@@ -15,6 +15,7 @@ from kvrelay.engine.batch import ForwardBatch, prepare
 from kvrelay.engine.scheduler import ScheduledRequest
 from kvrelay.layers.attention import make_backend
 from kvrelay.layers.ops import TORCH_OPS, triton_ops
+from kvrelay.layers.step_profile import StepProfiler
 from kvrelay.models.llama import ForwardContext
 from kvrelay.weights.loader import ModelSource, build_model
 
@@ -122,15 +123,18 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
-    def forward(self, batch: list[ScheduledRequest]) -> torch.Tensor:
-        """Logits [N, V] (float32) for the requests in `batch` that sample this step, in order."""
+    def forward(
+        self, batch: list[ScheduledRequest], profile: StepProfiler | None = None
+    ) -> torch.Tensor:
+        """Logits [N, V] (float32) for the requests in `batch` that sample this step, in order.
+        A `profile`d step runs eagerly (its regions are invisible inside a CUDA graph)."""
         fb = prepare(batch, self.page_size, self.device)
-        return self.forward_batch(fb)
+        return self.forward_batch(fb, profile)
 
     @torch.inference_mode()
-    def forward_batch(self, fb: ForwardBatch) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.can_run(fb):
+    def forward_batch(self, fb: ForwardBatch, profile: StepProfiler | None = None) -> torch.Tensor:
+        if profile is None and self.graphs is not None and self.graphs.can_run(fb):
             return self.graphs.run(fb)
-        ctx = ForwardContext(fb.attn, self.kv.layers, self.backend, self.ops)
+        ctx = ForwardContext(fb.attn, self.kv.layers, self.backend, self.ops, profile)
         hidden = self.model(fb.input_ids, fb.positions, ctx)
         return self.model.compute_logits(hidden[fb.sample_rows])

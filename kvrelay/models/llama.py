@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrelay.config import ModelConfig
+from kvrelay.layers import step_profile as prof
 from kvrelay.layers.attention import AttentionBackend, AttentionMetadata
 from kvrelay.layers.norm import RMSNorm
 from kvrelay.layers.ops import TORCH_OPS, Ops
@@ -25,8 +26,10 @@ class ForwardContext:
         kv_caches,
         attn_backend: AttentionBackend,
         ops: Ops = TORCH_OPS,
+        profile: prof.StepProfiler | None = None,
     ):
         self.attn, self.kv_caches, self.attn_backend, self.ops = attn, kv_caches, attn_backend, ops
+        self.profile = profile  # set on a profiled (eager) step: times attention and MLP
 
 
 class Attention(nn.Module):
@@ -81,9 +84,12 @@ class DecoderLayer(nn.Module):
         """Returns (this layer's output, the residual stream before adding it)."""
         n1, n2, ops = self.input_layernorm, self.post_attention_layernorm, ctx.ops
         h, residual = ops.rms_norm(x, n1.weight, n1.eps, residual)
-        h = self.self_attn(h, cos, sin, ctx)
+        with prof.timed(ctx.profile, prof.ATTENTION):
+            h = self.self_attn(h, cos, sin, ctx)
         h, residual = ops.rms_norm(h, n2.weight, n2.eps, residual)
-        return self.mlp(h, ctx), residual
+        with prof.timed(ctx.profile, prof.MLP):
+            h = self.mlp(h, ctx)
+        return h, residual
 
 
 class Backbone(nn.Module):

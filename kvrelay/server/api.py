@@ -1,5 +1,6 @@
 """OpenAI-compatible routes: chat, completions, models, health, metrics; and read-only
-introspection: server_info (configuration and provenance) and telemetry/steps."""
+introspection: server_info (configuration and provenance), telemetry/steps and
+telemetry/profile (how often a step is split into components)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ class ServerState:
         self.metrics = Metrics()
         self.client = EngineClient(cfg.engine)
         self.telemetry = StepTelemetry()
+        self.telemetry.profile_every = cfg.engine.step_profile_every
         self.client.on_step = self._on_step
         self.tokenizer = None
         self._info: dict | None = None
@@ -153,6 +155,28 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         if since < 0 or (limit is not None and limit < 0):
             raise bad_request("since and limit must not be negative")
         return state.telemetry.since(since, limit)
+
+    @app.get("/telemetry/profile")
+    async def get_step_profile():
+        """How often the engine splits a step into components (0: never)."""
+        return {"every": state.telemetry.profile_every}
+
+    @app.post("/telemetry/profile")
+    async def set_step_profile(request: Request):
+        """{"every": N}: profile every N-th engine step from now on (0: off). Returns the new
+        and the previous setting (a benchmark restores what it found)."""
+        try:
+            every = (await request.json())["every"]
+        except (ValueError, KeyError, TypeError):
+            raise bad_request('the body must be {"every": N}') from None
+        if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+            raise bad_request("every must be a non-negative integer")
+        try:
+            await state.client.set_step_profile(every)
+        except EngineDead as e:
+            raise unavailable(str(e)) from None
+        previous, state.telemetry.profile_every = state.telemetry.profile_every, every
+        return {"every": every, "previous": previous}
 
     @app.get("/metrics")
     async def metrics():

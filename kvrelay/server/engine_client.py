@@ -27,6 +27,7 @@ from kvrelay.engine.messages import (
     FromEngine,
     RequestOutput,
     SamplingParams,
+    SetStepProfile,
     Shutdown,
     StepOutputs,
 )
@@ -122,6 +123,11 @@ class EngineClient:
     async def abort(self, rid: str) -> None:
         if self.queues.pop(rid, None) is not None and self.healthy:
             await self._to.send(self._enc.encode(AbortRequest(rid)))
+
+    async def set_step_profile(self, every: int) -> None:
+        if not self.healthy:
+            raise EngineDead(self.dead_reason or "engine is not running")
+        await self._to.send(self._enc.encode(SetStepProfile(every)))
 
     def release(self, rid: str) -> None:
         self.queues.pop(rid, None)

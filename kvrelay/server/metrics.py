@@ -78,6 +78,13 @@ class Metrics:
         self.step = Histogram(
             "kvrelay_engine_step_seconds", "engine step time", buckets=_LATENCY, registry=r
         )
+        self.step_component = Histogram(
+            "kvrelay_engine_step_component_seconds",
+            "profiled engine steps (--step-profile-every): time per component",
+            ["component"],
+            buckets=_LATENCY,
+            registry=r,
+        )
 
     def on_step(self, msg: StepOutputs) -> None:
         s = msg.stats
@@ -102,6 +109,8 @@ class Metrics:
             self.pd_seconds.labels(side=side, phase=phase).observe(seconds)
         if s.batch_size:
             self.step.observe(s.step_ms / 1e3)
+        for component, ms in (s.components or {}).items():
+            self.step_component.labels(component=component).observe(ms / 1e3)
 
 
 def _add_new(counter: Counter, seen: dict, key, total: int) -> None:

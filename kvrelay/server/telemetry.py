@@ -1,5 +1,6 @@
 """Per-step engine telemetry kept in the API process: a bounded ring that `kvrelay bench` reads over
-HTTP (GET /telemetry/steps?since=N) to fit the step-time model."""
+HTTP (GET /telemetry/steps?since=N) to fit the step-time model. Profiled steps also carry their
+split into components (ms of attention, mlp or moe, communication, other)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,23 @@ class StepTelemetry:
     """Every engine step that ran a batch, numbered from 0; the oldest fall off past `capacity`."""
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
-        self.steps: deque[tuple[int, float, int, int, float, int]] = deque(maxlen=capacity)
+        self.steps: deque[tuple] = deque(maxlen=capacity)
         self.next_seq = 0
+        self.profile_every = 0  # what the engine was last told (POST /telemetry/profile)
 
     def on_step(self, msg: StepOutputs) -> None:
         s = msg.stats
         if s is None or not s.batch_size:  # an idle step carries a stale step_ms
             return
-        row = (self.next_seq, time.time(), s.batch_size, s.num_tokens, s.step_ms, s.num_prefill)
+        row = (
+            self.next_seq,
+            time.time(),
+            s.batch_size,
+            s.num_tokens,
+            s.step_ms,
+            s.num_prefill,
+            s.components,
+        )
         self.steps.append(row)
         self.next_seq += 1
 
@@ -39,15 +49,19 @@ class StepTelemetry:
             "next": rows[-1][0] + 1 if rows else start,
             "head": self.next_seq,
             "dropped": max(oldest - seq, 0),
-            "steps": [
-                {
-                    "seq": q,
-                    "time": t,
-                    "batch_size": b,
-                    "num_tokens": n,
-                    "step_ms": ms,
-                    "num_prefill": p,
-                }
-                for q, t, b, n, ms, p in rows
-            ],
+            "steps": [_step_dict(*r) for r in rows],
         }
+
+
+def _step_dict(seq, t, batch, tokens, ms, prefill, components) -> dict:
+    d = {
+        "seq": seq,
+        "time": t,
+        "batch_size": batch,
+        "num_tokens": tokens,
+        "step_ms": ms,
+        "num_prefill": prefill,
+    }
+    if components is not None:
+        d["components"] = components
+    return d

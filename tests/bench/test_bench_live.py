@@ -227,3 +227,22 @@ def test_unreachable_server_exits_2(tmp_path):
         port = sock.getsockname()[1]  # free once closed: nothing listens there
     rc = bench(f"--base-url http://127.0.0.1:{port} --concurrency 1 --result-dir {tmp_path}")
     assert rc == 2 and not list(tmp_path.iterdir())
+
+
+def test_step_split_from_profiled_steps(server, tmp_path, capsys):
+    args = "--input-len 32 --output-len 6 --concurrency 1,4 --num-prompts 4 --step-profile-every 2"
+    r = run_bench(server, tmp_path, args)
+    # The server's setting is back to what the bench found.
+    assert httpx.get(server.url + "/telemetry/profile", timeout=10).json() == {"every": 0}
+    for lv in [*r["levels"], r]:
+        split = lv["step_split"]
+        assert split["num_steps"] > 0 and split["step_ms_mean"] > 0
+        c = split["components"]
+        assert list(c) == ["attention", "mlp", "communication", "other"]
+        assert c["attention"]["ms_mean"] > 0 and c["mlp"]["ms_mean"] > 0
+        assert sum(x["share"] for x in c.values()) == pytest.approx(1.0)
+    assert r["levels"][1]["step_split"]["batch_max"] > 1
+    # Profiled steps ran eagerly: the step-time model is fitted on the others.
+    assert r["step_fit"]["num_profiled_left_out"] > 0
+    out = capsys.readouterr().out
+    assert "c=1 split (" in out and "c=4 split (" in out and "sweep split (" in out

@@ -40,3 +40,30 @@ def test_degenerate_inputs():
     assert "no slope" in describe(one)
     flat = fit_line([(1, 3.0), (2, 3.0)])
     assert flat == {"a": 3.0, "b": 0.0, "r2": None, "n": 2}
+
+
+def test_sweep_weighs_each_level_equally():
+    # Level 1 runs three times the steps of level 2: as a sweep, each level weighs the same,
+    # which is the plain fit on level 2's points repeated three times.
+    lv1 = steps([(1, 10.0), (1, 11.0), (2, 12.5)])
+    lv2 = steps([(8, 20.0)])
+    got = fit_step_time([lv1, lv2])
+    want = fit_line([(1, 10.0), (1, 11.0), (2, 12.5)] + [(8, 20.0)] * 3)
+    assert (got["a_ms"], got["b_ms_per_seq"], got["r2"]) == pytest.approx(
+        (want["a"], want["b"], want["r2"])
+    )
+    assert got["weighted_by_level"] and got["n"] == 4
+    assert "levels weighted equally" in describe(got)
+    assert fit_line([(1, 1.0), (2, 3.0), (3, 4.0)], [1, 2, 1]) == pytest.approx(
+        fit_line([(1, 1.0), (2, 3.0), (2, 3.0), (3, 4.0)]) | {"n": 3}
+    )
+
+
+def test_profiled_steps_left_out_unless_all_are():
+    plain = steps([(b, 2.0 + b) for b in (1, 2, 4)])
+    eager = [s | {"components": {"other": 50.0}, "step_ms": 50.0} for s in steps([(3, 0)])]
+    fit = fit_step_time(plain + eager)  # the eager step would pull the line far off
+    assert fit["a_ms"] == pytest.approx(2.0) and fit["b_ms_per_seq"] == pytest.approx(1.0)
+    assert fit["num_profiled_left_out"] == 1 and "1 profiled eager steps left out" in describe(fit)
+    only = fit_step_time(eager * 2)
+    assert only["a_ms"] == 50.0 and only["num_profiled_left_out"] == 0

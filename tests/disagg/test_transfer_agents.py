@@ -242,3 +242,27 @@ def test_heartbeats_keep_an_idle_connection_alive(make_pair):
     pr.pump(lambda: pr.finished("decode", "k2") and pr.finished("prefill", "k2"))
     assert pr.p.agent.peers[pr.d.agent.addr].conn is conn
     pr.assert_clean()
+
+
+def test_profiled_prefill_step_times_its_kv_send(make_pair):
+    pr = make_pair(_engine("prefill"), _engine("decode"))
+    pr.p.profile_every = 1
+    pr.submit("p1", _prompts()[4])  # 70 tokens: chunks of 32, 32, 6
+    splits = []
+    deadline = time.time() + 20
+    while not pr.finished("decode", "p1"):
+        assert time.time() < deadline
+        for side, e in (("prefill", pr.p), ("decode", pr.d)):
+            e.poll_transfers()
+            if e.has_work:
+                step = e.step()
+                if side == "prefill" and step.stats.batch_size:
+                    splits.append(step.stats.components)
+                for o in step.outputs:
+                    pr.outs.setdefault((side, o.rid), []).append(o)
+    # The first chunks' KV leaves between steps; the last chunk's step ships the rest and the
+    # first token to decode inside the step: that is its communication.
+    assert len(splits) == 3
+    assert [s["communication"] > 0 for s in splits] == [False, False, True]
+    assert all(s["attention"] > 0 and s["mlp"] > 0 for s in splits)
+    pr.assert_clean()

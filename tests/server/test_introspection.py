@@ -1,8 +1,10 @@
-"""The read-only routes benchmarks and the ledger use: /server_info and /telemetry/steps."""
+"""The introspection routes benchmarks and the ledger use: /server_info, /telemetry/steps and
+/telemetry/profile (switching the per-component step split at run time)."""
 
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from kvrelay.engine.messages import EngineStats, StepOutputs
 from kvrelay.server.telemetry import StepTelemetry
@@ -53,3 +55,34 @@ def test_server_info_and_step_telemetry(server):
     assert all(s["step_ms"] > 0 for s in steps) and got["next"] == head + 4
     r = httpx.get(server.url + "/telemetry/steps?since=-1", timeout=10)
     assert r.status_code == 400
+
+
+def _metric_count(url: str, component: str) -> float:
+    want = f'kvrelay_engine_step_component_seconds_count{{component="{component}"}} '
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(want)), 0)
+
+
+def test_step_profile_switched_at_run_time(server):
+    url = server.url + "/telemetry/profile"
+    assert httpx.get(url, timeout=10).json() == {"every": 0}
+    for bad in ({"every": -1}, {"every": "2"}, {"every": True}, {"often": 2}, [2]):
+        r = httpx.post(url, json=bad, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["message"], bad
+    assert httpx.post(url, content=b"{", timeout=10).status_code == 400
+    before = _metric_count(server.url, "attention")
+    try:
+        assert httpx.post(url, json={"every": 1}, timeout=10).json() == {"every": 1, "previous": 0}
+        head = httpx.get(server.url + "/telemetry/steps?limit=0", timeout=10).json()["head"]
+        body = {"model": "smollm2", "prompt": "Hello there", "max_tokens": 4, "ignore_eos": True}
+        httpx.post(server.url + "/v1/completions", json=body, timeout=60).raise_for_status()
+        steps = httpx.get(server.url + f"/telemetry/steps?since={head}", timeout=10).json()["steps"]
+    finally:
+        assert httpx.post(url, json={"every": 0}, timeout=10).json()["previous"] == 1
+    assert len(steps) == 4
+    for s in steps:
+        c = s["components"]
+        assert set(c) == {"attention", "mlp", "communication", "other"}
+        assert c["attention"] > 0 and c["mlp"] > 0
+        assert sum(c.values()) == pytest.approx(s["step_ms"], rel=1e-6)
+    assert _metric_count(server.url, "attention") == before + 4

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from kvrelay.layers.step_profile import ATTENTION, MOE, StepProfiler, timed
 from kvrelay.models.deepseek_v4.attention import Attention
 from kvrelay.models.deepseek_v4.config import DeepseekV4Config
 from kvrelay.models.deepseek_v4.mhc import HyperConnection
@@ -54,11 +55,18 @@ class DecoderLayer(nn.Module):
         streams: torch.Tensor,
         input_ids: torch.Tensor,
         attend: Callable[[torch.Tensor], torch.Tensor],
+        profile: StepProfiler | None = None,
     ) -> torch.Tensor:
         """The block around an attention callback: `attend` maps the normed inputs of all rows
-        to their attention outputs (one sequence here; a batch of them in the paged engine)."""
+        to their attention outputs (one sequence here; a batch of them in the paged engine).
+        `profile` (a profiled engine step) times attention and MoE."""
         h, post, comb = self.attn_hc(streams)
-        streams = HyperConnection.merge(attend(self.input_layernorm(h)), streams, post, comb)
+        h = self.input_layernorm(h)
+        with timed(profile, ATTENTION):
+            h = attend(h)
+        streams = HyperConnection.merge(h, streams, post, comb)
         h, post, comb = self.ffn_hc(streams)
-        out = self.mlp(self.post_attention_layernorm(h), input_ids)
+        h = self.post_attention_layernorm(h)
+        with timed(profile, MOE):
+            out = self.mlp(h, input_ids)
         return HyperConnection.merge(out, streams, post, comb)

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from kvrelay.layers.step_profile import StepProfiler
 from kvrelay.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from kvrelay.models.deepseek_v4.state import LayerState
 
@@ -42,9 +43,11 @@ def forward_paged(
     cache: PagedCache,
     sample_rows: torch.Tensor,
     on_layer: Callable[[int], None] | None = None,
+    profile: StepProfiler | None = None,
 ) -> torch.Tensor:
     """input_ids: [T], the sequences' new tokens back to back -> logits [len(sample_rows), V].
-    `on_layer(i)` runs before layer i and once more after the last (benchmarks time layers)."""
+    `on_layer(i)` runs before layer i and once more after the last (benchmarks time layers);
+    `profile` times attention (cache load/store included) and MoE of a profiled step."""
     m = model.model
     x = m.embed_tokens(input_ids)
     streams = x[:, None, :].expand(-1, m.config.hc_mult, -1).contiguous()
@@ -61,7 +64,7 @@ def forward_paged(
 
         if on_layer is not None:
             on_layer(i)
-        streams = layer.run(streams, input_ids, attend)
+        streams = layer.run(streams, input_ids, attend, profile)
     if on_layer is not None:
         on_layer(len(m.layers))
     hidden = m.norm(m.hc_head(streams[sample_rows]))
