@@ -1,7 +1,8 @@
 #!/bin/bash
 # One batched GPU session (device tool): install the carried wheels, run the benchmarks named in
-# BENCHES (default: dsv4; also: decode, ipc, pd — pd needs .whl/tokenizer-smollm2, an HF tokenizer
-# directory saved from the embedded GGUF, as the GGUF itself is too big to carry), then the GPU tests, print short tables.
+# BENCHES (default: dsv4; also: decode, ipc, pd, split, split-dsv4 — pd and split need
+# .whl/tokenizer-smollm2, an HF tokenizer directory saved from the embedded GGUF, as the GGUF
+# itself is too big to carry), then the GPU tests, print short tables.
 # Usage: BENCHES="decode dsv4" scripts/gpu_run.sh [pytest paths...]
 set -o pipefail
 OUT=${OUT:-out}
@@ -17,6 +18,8 @@ for b in ${BENCHES:-dsv4}; do
     decode) python3 benchmarks/decode_throughput.py --steps 20 --out "$OUT/decode_throughput.json" 2>&1 | tee "$OUT/decode_throughput.log" | grep -v Warning | tail -20 ;;
     pd) python3 benchmarks/pd_vs_single.py --tokenizer .whl/tokenizer-smollm2 --gpus 0 --out "$OUT/pd_vs_single.json" $PD_ARGS 2>&1 | tee "$OUT/pd_vs_single.log" | grep -E "^(mode|single|pd|verify)" ;;
     ipc) python3 benchmarks/ipc_copy.py --out "$OUT/ipc_copy.json" 2>&1 | tee "$OUT/ipc_copy.log" | tail -12 ;;
+    split) python3 benchmarks/step_split.py --tokenizer .whl/tokenizer-smollm2 --out "$OUT/step_split.json" 2>&1 | tee "$OUT/step_split.log" | grep -vE "Warning|^wrote" | tail -16 ;;
+    split-dsv4) python3 benchmarks/step_split.py --model dsv4-mini --concurrency 1,8 --input-len 256 --output-len 16 --prompts-per-level 1 --every 2 --tokenizer .whl/tokenizer-smollm2 --out "$OUT/step_split_dsv4.json" 2>&1 | tee "$OUT/step_split_dsv4.log" | grep -vE "Warning|^wrote" | tail -16 ;;
     dsv4) python3 benchmarks/dsv4_reference.py --out "$OUT/dsv4_reference.json" 2>&1 | tee "$OUT/dsv4_reference.log" | grep -v Warning | tail -20 ;;
   esac
 done
