@@ -1,7 +1,8 @@
 """Where a decode step's time goes: starts `kvrelay serve` (dummy weights; CUDA graphs on a GPU),
 drives it with `kvrelay bench --step-profile-every N`, and tabulates per concurrency level the
-split of the profiled decode steps (run eagerly, CUDA events) into attention / MLP or MoE /
-communication / other, each component's line over batch size, and the graphed steps' fit.
+split of the profiled decode steps (CUDA events, as nodes inside the CUDA graphs) into
+attention / MLP or MoE / communication / other, each component's line over batch size, and the
+step-time fit of the steps that were not profiled.
 
     python benchmarks/step_split.py --out bench-results/step_split.json
     python benchmarks/step_split.py --model dsv4-mini --concurrency 1,8 --output-len 16 \\
@@ -47,10 +48,13 @@ def summarise(res: dict) -> dict:
                 "completed": lv["completed"],
                 "output_tok_s": lv["output_throughput"],
                 "tpot_ms_mean": lv["tpot_ms"]["mean"],
-                "graphed_fit": fit,
+                "unprofiled_fit": fit,
                 "split": lv.get("step_split"),
             }
         )
+        sp, b = lv.get("step_split"), fit.get("b_ms_per_seq")
+        if sp and fit.get("a_ms") is not None:  # what a step of that batch takes unprofiled
+            levels[-1]["unprofiled_ms_at_batch"] = fit["a_ms"] + (b or 0) * sp["batch_mean"]
     return {"levels": levels, "step_fit": res.get("step_fit"), "split": res.get("step_split")}
 
 
@@ -60,7 +64,7 @@ def print_table(s: dict) -> None:
         for n in (lv["split"] or {}).get("components", {}):
             if n not in names:
                 names.append(n)
-    print(f"{'conc':>4} {'steps':>5} {'batch':>6} {'eager ms':>9} {'TPOT ms':>8} "
+    print(f"{'conc':>4} {'steps':>5} {'batch':>6} {'prof. ms':>9} {'plain ms':>9} {'TPOT ms':>8} "
           + " ".join(f"{n:>17}" for n in names))  # fmt: skip
     for lv in s["levels"]:
         sp = lv["split"]
@@ -72,7 +76,8 @@ def print_table(s: dict) -> None:
             c = sp["components"].get(n)
             cells.append("-" if c is None else f"{c['ms_mean']:.2f} ({100 * c['share']:.0f}%)")
         print(f"{lv['concurrency']:>4} {sp['num_steps']:>5} {sp['batch_mean']:>6.1f} "
-              f"{sp['step_ms_mean']:>9.2f} {lv['tpot_ms_mean']:>8.2f} "
+              f"{sp['step_ms_mean']:>9.2f} {lv.get('unprofiled_ms_at_batch') or 0:>9.2f} "
+              f"{lv['tpot_ms_mean']:>8.2f} "
               + " ".join(f"{c:>17}" for c in cells))  # fmt: skip
     sweep, fit = s["split"], s["step_fit"]
     if sweep:
@@ -80,7 +85,7 @@ def print_table(s: dict) -> None:
             slope = "-" if c["b_ms_per_seq"] is None else f"{c['b_ms_per_seq']:.4f}"
             print(f"sweep {n}: {c['a_ms']:.3f} + {slope}·batch ms")
     if fit:
-        print(f"graphed steps: {fit['a_ms']:.3f} + {fit['b_ms_per_seq'] or 0:.4f}·batch ms "
+        print(f"steps not profiled: {fit['a_ms']:.3f} + {fit['b_ms_per_seq'] or 0:.4f}·batch ms "
               f"(R² {fit['r2'] or 0:.3f}, {fit['n']} steps)")  # fmt: skip
 
 

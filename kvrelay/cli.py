@@ -54,8 +54,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=d.step_profile_every,
         metavar="N",
         help="split every N-th engine step into attention / mlp or moe / communication / other "
-        "(CUDA events; that step runs without CUDA graphs) and report it in /telemetry/steps "
-        "and /metrics; 0: off (POST /telemetry/profile changes it at run time)",
+        "(CUDA events, inside a second variant of each CUDA graph, captured now or on first "
+        "use) and report it in /telemetry/steps and /metrics; 0: off (POST /telemetry/profile "
+        "changes it at run time)",
     )
     g.add_argument(
         "--max-model-len", type=int, default=None, help="context limit (default: the model's)"

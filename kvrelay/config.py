@@ -90,7 +90,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: triton on GPU, torch elsewhere
     cuda_graphs: bool = True
     max_cuda_graph_batch: int = 256
-    # Time attention / MLP or MoE / communication / other on every N-th step (run eagerly); 0: off.
+    # Time attention / MLP or MoE / communication / other on every N-th step; 0: off.
     step_profile_every: int = 0
     max_model_len: int | None = None
     seed: int = 0

@@ -117,8 +117,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="have the server split every N-th engine step into attention / mlp or moe / "
-        "communication / other during the run (those steps run without CUDA graphs; restored "
-        "afterwards); default: leave the server's setting",
+        "communication / other during the run (restored afterwards); default: leave the "
+        "server's setting",
     )
     g.add_argument("--result-dir", default="bench-results", help="where the JSON and PNG files go")
     g.add_argument(

@@ -2,8 +2,8 @@
 
 `a` is the fixed cost of a step (weights read once, launch and framework overhead); `b` the cost of
 each extra sequence in the batch (mostly attention over its KV). Prefill steps are left out: their
-cost grows with prompt tokens, not with the batch; so are profiled steps (run without CUDA graphs)
-when there are others. A sweep weighs each level equally: concurrency 1 runs the most steps.
+cost grows with prompt tokens, not with the batch; so are profiled steps (their timing events cost
+a little) when there are others. A sweep weighs each level equally: concurrency 1 runs the most steps.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def fit_line(points: list[tuple[float, float]], weights: list[float] | None = No
 
 def _fit_steps(levels: list[list[dict]]) -> tuple[list[dict], list[float]]:
     """The decode steps of the levels and their weights (each level weighs 1 in all). Profiled
-    steps ran eagerly: they are left out unless every decode step was profiled."""
+    steps (timing events in the graph, or eager) are left out unless every decode step was."""
     dec = [[s for s in lv if is_decode(s)] for lv in levels]
     if any("components" not in s for lv in dec for s in lv):
         dec = [[s for s in lv if "components" not in s] for lv in dec]
@@ -83,7 +83,7 @@ def describe(fit: dict | None) -> str:
     if fit.get("weighted_by_level"):
         where += ", levels weighted equally"
     if fit.get("num_profiled_left_out"):
-        where += f", {fit['num_profiled_left_out']} profiled eager steps left out"
+        where += f", {fit['num_profiled_left_out']} profiled steps left out"
     if fit["b_ms_per_seq"] is None:
         return f"step_ms = {fit['a_ms']:.2f} (one batch size only: no slope; {where})"
     r2 = "-" if fit["r2"] is None else f"{fit['r2']:.3f}"

@@ -68,6 +68,6 @@ def describe_split(split: dict | None, label: str = "decode step") -> str | None
     b0, b1 = split["batch_min"], split["batch_max"]
     where = f"batch {b0}" if b0 == b1 else f"batch {b0}-{b1}"
     return (
-        f"{label} split ({split['num_steps']} profiled eager steps, {where}, "
+        f"{label} split ({split['num_steps']} profiled steps, {where}, "
         f"mean {split['step_ms_mean']:.2f} ms): " + " | ".join(parts)
     )

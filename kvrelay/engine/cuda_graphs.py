@@ -6,6 +6,7 @@ import torch
 
 from kvrelay.engine.batch import ForwardBatch
 from kvrelay.layers.attention import AttentionMetadata
+from kvrelay.layers.step_profile import StepProfiler
 from kvrelay.models.llama import ForwardContext
 
 BUCKETS = (
@@ -37,8 +38,23 @@ BUCKETS = (
 
 
 class CudaGraphRunner:
-    def __init__(self, model, kv_layers, backend, ops, max_bs: int, max_pages: int, device) -> None:
-        self.model = model
+    """One decode graph per batch-size bucket; with step profiling, a second variant per bucket
+    whose attention/MLP regions are event-record nodes (captured at start when profiling is on
+    then, else on the first profiled step of the bucket, which that step skips)."""
+
+    def __init__(
+        self,
+        model,
+        kv_layers,
+        backend,
+        ops,
+        max_bs: int,
+        max_pages: int,
+        device,
+        profiled: bool = False,
+    ) -> None:
+        self.model, self.kv_layers, self.backend, self.ops = model, kv_layers, backend, ops
+        self.device = device
         self.buckets = [b for b in BUCKETS if b <= max_bs]
         self.max_bs = self.buckets[-1]
         n = self.max_bs
@@ -48,39 +64,40 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.page_table = torch.zeros((n, max_pages), dtype=torch.int32, device=device)
         self.cu = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        pool = None
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # bucket -> (graph, logits, the regions captured in it)
+        self.profiled: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, StepProfiler]] = {}
+        self.pool = None
         for bs in reversed(self.buckets):
-            ctx = ForwardContext(
-                AttentionMetadata(
-                    self.slots[:bs],
-                    self.page_table[:bs],
-                    self.seq_lens[:bs],
-                    self.cu[: bs + 1],
-                    1,
-                    True,
-                ),
-                kv_layers,
-                backend,
-                ops,
-            )
-            run = (
-                lambda bs=bs, ctx=ctx: model.compute_logits(  # noqa: E731
-                    model(self.input_ids[:bs], self.positions[:bs], ctx)
-                )
-            )
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                run()  # warm-up: Triton compiles and cuBLAS picks its kernels outside capture
+                self._forward(bs, None)  # warm-up: Triton compiles, cuBLAS picks kernels
             torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = run()
-            pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[bs] = self._capture(bs, None)
+            if profiled:
+                self._capture_profiled(bs)
         torch.cuda.synchronize()
+
+    def _forward(self, bs: int, profile: StepProfiler | None) -> torch.Tensor:
+        attn = AttentionMetadata(
+            self.slots[:bs], self.page_table[:bs], self.seq_lens[:bs], self.cu[: bs + 1], 1, True
+        )
+        ctx = ForwardContext(attn, self.kv_layers, self.backend, self.ops, profile)
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs], ctx)
+        return self.model.compute_logits(hidden)
+
+    def _capture(self, bs: int, profile: StepProfiler | None):
+        """Capture only: nothing runs, so the buffers may hold a live batch's rows."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._forward(bs, profile)
+        self.pool = graph.pool()
+        return graph, out
+
+    def _capture_profiled(self, bs: int) -> None:
+        regions = StepProfiler(self.device, in_graph=True)
+        self.profiled[bs] = (*self._capture(bs, regions), regions)
 
     def can_run(self, fb: ForwardBatch) -> bool:
         return (
@@ -89,7 +106,7 @@ class CudaGraphRunner:
             and fb.attn.page_table.shape[1] <= self.page_table.shape[1]
         )
 
-    def run(self, fb: ForwardBatch) -> torch.Tensor:
+    def run(self, fb: ForwardBatch, profile: StepProfiler | None = None) -> torch.Tensor:
         b = fb.batch_size
         bs = next(x for x in self.buckets if x >= b)
         self.input_ids[:b].copy_(fb.input_ids)
@@ -104,5 +121,13 @@ class CudaGraphRunner:
             self.slots[b:bs].zero_()
             self.seq_lens[b:bs].fill_(1)
             self.page_table[b:bs].zero_()
-        self.graphs[bs].replay()
-        return self.outputs[bs][:b]
+        if profile is not None and bs not in self.profiled:
+            self._capture_profiled(bs)  # its time would land in this step: not reported
+            profile.skipped = True
+        if profile is None or profile.skipped:
+            graph, out = self.graphs[bs]
+        else:
+            graph, out, regions = self.profiled[bs]
+            profile.replayed(regions)
+        graph.replay()
+        return out[:b]

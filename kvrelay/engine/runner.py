@@ -91,6 +91,7 @@ class ModelRunner:
                 cfg.max_cuda_graph_batch,
                 max_pages,
                 self.device,
+                profiled=cfg.step_profile_every > 0,
             )
         log.info(
             "runner ready device=%s dtype=%s backend=%s kv_pages=%d page_size=%d max_model_len=%d cuda_graphs=%s",
@@ -126,15 +127,15 @@ class ModelRunner:
     def forward(
         self, batch: list[ScheduledRequest], profile: StepProfiler | None = None
     ) -> torch.Tensor:
-        """Logits [N, V] (float32) for the requests in `batch` that sample this step, in order.
-        A `profile`d step runs eagerly (its regions are invisible inside a CUDA graph)."""
+        """Logits [N, V] (float32) for the requests in `batch` that sample this step, in order;
+        `profile` times the step's attention and MLP."""
         fb = prepare(batch, self.page_size, self.device)
         return self.forward_batch(fb, profile)
 
     @torch.inference_mode()
     def forward_batch(self, fb: ForwardBatch, profile: StepProfiler | None = None) -> torch.Tensor:
-        if profile is None and self.graphs is not None and self.graphs.can_run(fb):
-            return self.graphs.run(fb)
+        if self.graphs is not None and self.graphs.can_run(fb):
+            return self.graphs.run(fb, profile)
         ctx = ForwardContext(fb.attn, self.kv.layers, self.backend, self.ops, profile)
         hidden = self.model(fb.input_ids, fb.positions, ctx)
         return self.model.compute_logits(hidden[fb.sample_rows])

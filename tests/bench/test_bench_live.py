@@ -242,7 +242,7 @@ def test_step_split_from_profiled_steps(server, tmp_path, capsys):
         assert c["attention"]["ms_mean"] > 0 and c["mlp"]["ms_mean"] > 0
         assert sum(x["share"] for x in c.values()) == pytest.approx(1.0)
     assert r["levels"][1]["step_split"]["batch_max"] > 1
-    # Profiled steps ran eagerly: the step-time model is fitted on the others.
+    # The step-time model is fitted on the steps that were not profiled.
     assert r["step_fit"]["num_profiled_left_out"] > 0
     out = capsys.readouterr().out
     assert "c=1 split (" in out and "c=4 split (" in out and "sweep split (" in out

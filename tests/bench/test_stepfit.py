@@ -64,6 +64,6 @@ def test_profiled_steps_left_out_unless_all_are():
     eager = [s | {"components": {"other": 50.0}, "step_ms": 50.0} for s in steps([(3, 0)])]
     fit = fit_step_time(plain + eager)  # the eager step would pull the line far off
     assert fit["a_ms"] == pytest.approx(2.0) and fit["b_ms_per_seq"] == pytest.approx(1.0)
-    assert fit["num_profiled_left_out"] == 1 and "1 profiled eager steps left out" in describe(fit)
+    assert fit["num_profiled_left_out"] == 1 and "1 profiled steps left out" in describe(fit)
     only = fit_step_time(eager * 2)
     assert only["a_ms"] == 50.0 and only["num_profiled_left_out"] == 0

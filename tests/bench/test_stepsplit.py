@@ -27,7 +27,7 @@ def test_lines_and_shares_recovered():
     assert c["mlp"]["a_ms"] == pytest.approx(3.0)
     assert sum(x["share"] for x in c.values()) == pytest.approx(1.0)
     line = describe_split(split, "c=8")
-    assert line.startswith("c=8 split (6 profiled eager steps, batch 1-32, mean ")
+    assert line.startswith("c=8 split (6 profiled steps, batch 1-32, mean ")
     assert "attention 2.60 ms 39% (0.50 + 0.200·batch) | mlp 3.00 ms 45% | comm" in line
 
 

@@ -1,6 +1,6 @@
-"""The per-component step split on CUDA: events around attention and MLP/MoE, profiled steps run
-eagerly between graph-replayed ones, and the tokens do not change (float32: the graph and the
-eager path round alike up to GEMM shape choices; greedy tokens must agree)."""
+"""The per-component step split on CUDA: events around attention and MLP/MoE; graphed decode
+steps replay a variant of their graph whose regions are event-record nodes (captured at start, or
+on first use when profiling is switched on later); the tokens do not change."""
 
 from __future__ import annotations
 
@@ -45,37 +45,69 @@ def _run(engine: Engine, vocab: int):
     return stats, outs
 
 
-def _check(stats, parts: set[str]) -> None:
-    split = [s for s in stats if s.components is not None]
-    assert split and len(split) == sum(1 for i in range(len(stats)) if (i + 1) % 2 == 0)
-    for s in split:
+def _check(stats, parts: set[str], profiled: list[bool]) -> None:
+    assert [s.components is not None for s in stats] == profiled
+    for s in stats:
         c = s.components
+        if c is None:
+            continue
         assert set(c) == parts | {"communication", "other"}
         assert all(c[p] > 0 for p in parts)
-        assert sum(c[p] for p in parts) <= s.step_ms  # GPU time of the regions, inside the step
+        assert sum(c[p] for p in parts) < s.step_ms  # GPU time of the regions, inside the step
 
 
-def test_dense_profiled_steps_skip_graphs_and_keep_tokens():
-    plain = _engine("smollm2-135m", 0)
-    vocab = plain.src.config.vocab_size
-    _, want = _run(plain, vocab)
-    e = _engine("smollm2-135m", 2)
-    assert e.runner.graphs is not None
-    replays = []
-    graphed = e.runner.graphs.run
-    e.runner.graphs.run = lambda fb: replays.append(1) or graphed(fb)
-    stats, got = _run(e, vocab)
-    _check(stats, {"attention", "mlp"})
-    decode_steps = [s for s in stats if not s.num_prefill]
-    assert len(replays) == sum(1 for s in decode_steps if s.components is None)
-    assert len(replays) > 0
+def _same_outputs(got, want) -> None:
     for rid, (toks, lps) in want.items():
         assert got[rid][0] == toks, rid
         assert got[rid][1] == pytest.approx(lps, abs=1e-4), rid
+
+
+@pytest.fixture(scope="module")
+def plain():
+    e = _engine("smollm2-135m", 0)
+    return _run(e, e.src.config.vocab_size)[1]
+
+
+def _count_graph_runs(e: Engine) -> list[bool]:
+    """Wraps the runner's graph replays; the list says, per replay, whether it was profiled."""
+    runs: list[bool] = []
+    graphed = e.runner.graphs.run
+    e.runner.graphs.run = lambda fb, profile=None: (
+        runs.append(profile is not None) or graphed(fb, profile)
+    )
+    return runs
+
+
+def test_dense_profiled_decode_steps_replay_timed_graphs(plain):
+    e = _engine("smollm2-135m", 2)
+    assert set(e.runner.graphs.profiled) == set(e.runner.graphs.buckets)  # captured at start
+    runs = _count_graph_runs(e)
+    stats, got = _run(e, e.src.config.vocab_size)
+    _check(stats, {"attention", "mlp"}, [(i + 1) % 2 == 0 for i in range(len(stats))])
+    decode = [s for s in stats if not s.num_prefill]
+    assert runs == [s.components is not None for s in decode]  # every decode step replayed
+    assert any(runs)
+    _same_outputs(got, plain)
+
+
+def test_switched_on_later_captures_on_first_use(plain):
+    e = _engine("smollm2-135m", 0)
+    assert not e.runner.graphs.profiled
+    runs = _count_graph_runs(e)
+    e.profile_every = 1  # what POST /telemetry/profile does
+    stats, got = _run(e, e.src.config.vocab_size)
+    # A bucket's first profiled step captures its timed variant: that step is not reported.
+    first = {}
+    for i, s in enumerate(stats):
+        if not s.num_prefill:
+            first.setdefault(next(b for b in e.runner.graphs.buckets if b >= s.batch_size), i)
+    _check(stats, {"attention", "mlp"}, [i not in first.values() for i in range(len(stats))])
+    assert set(e.runner.graphs.profiled) == set(first) and all(runs)
+    _same_outputs(got, plain)
 
 
 def test_deepseek_v4_split_names_moe():
     e = _engine("dsv4-tiny", 2)
     stats, outs = _run(e, 250)
     assert all(len(t) == PARAMS.max_tokens for t, _ in outs.values())
-    _check(stats, {"attention", "moe"})
+    _check(stats, {"attention", "moe"}, [(i + 1) % 2 == 0 for i in range(len(stats))])
