@@ -97,7 +97,8 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def bench(url: str, a: argparse.Namespace, out_dir: str, mode: str) -> dict:
+def bench(url: str, a: argparse.Namespace, out_dir: str, mode: str, extra=()) -> dict:
+    """`kvrelay bench` of the levels in `a` (plus `extra` arguments); its JSON result."""
     name = f"{mode}.json"
     levels = [int(c) for c in a.concurrency.split(",")]
     cmd = [
@@ -106,7 +107,7 @@ def bench(url: str, a: argparse.Namespace, out_dir: str, mode: str) -> dict:
         "--output-len", str(a.output_len), "--ignore-eos", "--concurrency", a.concurrency,
         "--num-prompts", str(a.prompts_per_level * max(levels)), "--num-warmups", "2",
         "--result-dir", out_dir, "--result-filename", name, "--no-plots",
-        "--disable-progress", "--ledger", "off",
+        "--disable-progress", "--ledger", "off", *extra,
     ]  # fmt: skip
     subprocess.run(cmd, check=False, timeout=a.bench_timeout)
     with open(os.path.join(out_dir, name)) as f:

@@ -15,27 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 
-from pd_vs_single import meta, start, stop  # same directory: one way to start a server
-
-
-def bench(url: str, a: argparse.Namespace, out_dir: str) -> dict:
-    levels = [int(c) for c in a.concurrency.split(",")]
-    cmd = [
-        sys.executable, "-m", "kvrelay.cli", "bench", "--base-url", url,
-        "--dataset-name", "random", "--input-len", str(a.input_len),
-        "--output-len", str(a.output_len), "--ignore-eos", "--concurrency", a.concurrency,
-        "--num-prompts", str(a.prompts_per_level * max(levels)), "--num-warmups", "2",
-        "--step-profile-every", str(a.every), "--result-dir", out_dir,
-        "--result-filename", "split.json", "--no-plots", "--disable-progress", "--ledger", "off",
-    ]  # fmt: skip
-    subprocess.run(cmd, check=True, timeout=a.bench_timeout)
-    with open(os.path.join(out_dir, "split.json")) as f:
-        return json.load(f)
+from pd_vs_single import bench, meta, start, stop  # same directory: one way to run a server
 
 
 def summarise(res: dict) -> dict:
@@ -109,7 +91,7 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="kvrelay-step-split-")
     proc, url = start("single", a, work)
     try:
-        s = summarise(bench(url, a, work))
+        s = summarise(bench(url, a, work, "split", ["--step-profile-every", str(a.every)]))
     finally:
         stop(proc)
     s["meta"] = meta(a) | {"every": a.every, "concurrency": a.concurrency}

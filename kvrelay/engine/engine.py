@@ -214,14 +214,20 @@ class Engine:
         self.runner.allocator.check_integrity(held)
 
 
-def generate(engine: Engine, prompts: list[list[int]], params) -> list[list[RequestOutput]]:
-    """Run prompts to completion in one continuous batch (offline use: tests and benchmarks)."""
+def generate(
+    engine: Engine, prompts: list[list[int]], params, steps: list[EngineStats] | None = None
+) -> list[list[RequestOutput]]:
+    """Run prompts to completion in one continuous batch (offline use: tests and benchmarks);
+    `steps` collects the stats of every step that ran a batch."""
     rids = [f"offline-{i}" for i in range(len(prompts))]
     plist = params if isinstance(params, list) else [params] * len(prompts)
     for rid, ids, p in zip(rids, prompts, plist, strict=True):
         engine.add(AddRequest(rid, ids, p))
     per: dict[str, list[RequestOutput]] = {rid: [] for rid in rids}
     while engine.has_work:
-        for out in engine.step().outputs:
+        step = engine.step()
+        if steps is not None and step.stats.batch_size:
+            steps.append(step.stats)
+        for out in step.outputs:
             per[out.rid].append(out)
     return [per[rid] for rid in rids]

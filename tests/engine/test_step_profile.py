@@ -11,28 +11,24 @@ import pytest
 import torch
 
 from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvrelay.engine.engine import Engine
-from kvrelay.engine.messages import AddRequest, SamplingParams
+from kvrelay.engine.engine import Engine, generate
+from kvrelay.engine.messages import SamplingParams
 from kvrelay.layers.step_profile import StepProfiler
 from kvrelay.weights.loader import resolve
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
 
 
-def run(engine: Engine, prompts: list[list[int]]) -> tuple[list, dict]:
-    """(every step's stats, every request's (tokens, logprobs)) for the prompts run together."""
-    for i, ids in enumerate(prompts):
-        engine.add(AddRequest(f"r{i}", ids, PARAMS))
-    stats, outs = [], {}
-    while engine.has_work:
-        step = engine.step()
-        if step.stats.batch_size:
-            stats.append(step.stats)
-        for o in step.outputs:
-            toks, lps = outs.setdefault(o.rid, ([], []))
-            toks += o.token_ids
-            lps += o.logprobs or []
-    return stats, outs
+def outputs(outs) -> tuple[list[int], list[float]]:
+    """One request's tokens and chosen-token logprobs."""
+    return [t for o in outs for t in o.token_ids], [x for o in outs for x in o.logprobs or []]
+
+
+def run(engine: Engine, prompts: list[list[int]]) -> tuple[list, list]:
+    """(every batch step's stats, every request's (tokens, logprobs)) for the prompts together."""
+    stats = []
+    outs = generate(engine, prompts, PARAMS, stats)
+    return stats, [outputs(o) for o in outs]
 
 
 def prompts(vocab: int, lengths=(9, 40, 75)) -> list[list[int]]:
@@ -96,7 +92,7 @@ def test_deepseek_v4_names_moe():
         scheduler=SchedulerConfig(max_num_batched_tokens=64),
     )
     stats, outs = run(Engine(cfg, src), prompts(250))
-    assert len(outs) == 3 and all(len(t) == PARAMS.max_tokens for t, _ in outs.values())
+    assert len(outs) == 3 and all(len(t) == PARAMS.max_tokens for t, _ in outs)
     for s in stats:
         check_split(s, {"attention", "moe"})
 

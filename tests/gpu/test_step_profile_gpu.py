@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvrelay.engine.engine import Engine
-from kvrelay.engine.messages import AddRequest, SamplingParams
+from kvrelay.engine.engine import Engine, generate
+from kvrelay.engine.messages import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -29,20 +29,16 @@ def _engine(model: str, every: int) -> Engine:
     )
 
 
+def outputs(outs) -> tuple[list[int], list[float]]:
+    return [t for o in outs for t in o.token_ids], [x for o in outs for x in o.logprobs or []]
+
+
 def _run(engine: Engine, vocab: int):
     g = torch.Generator().manual_seed(5)
-    for i, n in enumerate([3, 40, 130, 700]):
-        engine.add(AddRequest(f"r{i}", torch.randint(1, vocab, (n,), generator=g).tolist(), PARAMS))
-    stats, outs = [], {}
-    while engine.has_work:
-        step = engine.step()
-        if step.stats.batch_size:
-            stats.append(step.stats)
-        for o in step.outputs:
-            toks, lps = outs.setdefault(o.rid, ([], []))
-            toks += o.token_ids
-            lps += o.logprobs or []
-    return stats, outs
+    prompts = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in [3, 40, 130, 700]]
+    stats = []
+    outs = generate(engine, prompts, PARAMS, stats)
+    return stats, [outputs(o) for o in outs]
 
 
 def _check(stats, parts: set[str], profiled: list[bool]) -> None:
@@ -57,9 +53,9 @@ def _check(stats, parts: set[str], profiled: list[bool]) -> None:
 
 
 def _same_outputs(got, want) -> None:
-    for rid, (toks, lps) in want.items():
-        assert got[rid][0] == toks, rid
-        assert got[rid][1] == pytest.approx(lps, abs=1e-4), rid
+    for i, ((toks, lps), (want_toks, want_lps)) in enumerate(zip(got, want, strict=True)):
+        assert toks == want_toks, i
+        assert lps == pytest.approx(want_lps, abs=1e-4), i
 
 
 @pytest.fixture(scope="module")
@@ -109,5 +105,5 @@ def test_switched_on_later_captures_on_first_use(plain):
 def test_deepseek_v4_split_names_moe():
     e = _engine("dsv4-tiny", 2)
     stats, outs = _run(e, 250)
-    assert all(len(t) == PARAMS.max_tokens for t, _ in outs.values())
+    assert all(len(t) == PARAMS.max_tokens for t, _ in outs)
     _check(stats, {"attention", "moe"}, [(i + 1) % 2 == 0 for i in range(len(stats))])
