@@ -99,7 +99,16 @@ def read_dsv4_config(path: str) -> tuple[DeepseekV4Config, dict[str, Any]]:
     for d in (root, native):
         if d is not None and "quantization_config" in d and "quantization_config" not in raw:
             raw["quantization_config"] = d["quantization_config"]
-    return DeepseekV4Config.from_dict(raw), raw
+    cfg = DeepseekV4Config.from_dict(raw)
+    # NVFP4 experts stay packed in memory (how a Flash-sized model fits): the loader copies
+    # their bytes into `Fp4Experts` instead of dequantizing them.
+    fmt = detect_format(read_index(path))
+    if fmt.experts == "nvfp4":
+        cfg = cfg.with_(
+            expert_format="nvfp4",
+            mtp_expert_format="nvfp4" if fmt.mtp_experts in ("nvfp4", None) else "dense",
+        )
+    return cfg, raw
 
 
 # --- tensor index -----------------------------------------------------------------------------
@@ -362,6 +371,7 @@ class Dsv4Checkpoint:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         tp: tuple[int, int] | None = None,
+        skip: frozenset[str] = frozenset(),
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(model name, tensor) for every weight: quantized ones dequantized to `dtype`, others
         as stored; native routed experts fused into `experts.gate_up_proj` / `down_proj`.
@@ -369,7 +379,8 @@ class Dsv4Checkpoint:
         tp = (rank, world) yields only that rank's part (rules in `dsv4_shard`); each rank
         still reads and dequantizes whole tensors (reading only its slice comes with TP). Unknown
         `mtp.*` names are skipped with a warning (the MTP block is optional); any other unknown
-        name raises `CheckpointError`.
+        name raises `CheckpointError`. Tensors of the modules named in `skip` (e.g.
+        "model.layers.3.mlp.experts", loaded packed instead) are not read at all.
         """
         stacks: dict[str, _ExpertStack] = {}
         n_experts = self.config.n_routed_experts
@@ -381,6 +392,9 @@ class Dsv4Checkpoint:
                     log.warning("checkpoint tensor skipped name=%s reason=%s", name, exc)
                     continue
                 raise CheckpointError(str(exc)) from None
+            model_name = target.hf_name if isinstance(target, ExpertSlot) else target
+            if model_name.rpartition(".")[0] in skip:
+                continue
             t = self.read_dequantized(name, dtype, device)
             if isinstance(target, ExpertSlot):
                 stack = stacks.get(target.hf_name)
@@ -474,8 +488,9 @@ def load_checkpoint(model: nn.Module, ckpt: Dsv4Checkpoint) -> None:
     own = model.state_dict()
     dtype = model.lm_head.weight.dtype
     device = model.lm_head.weight.device
-    seen: set[str] = set()
-    for name, t in ckpt.tensors(dtype, device):
+    seen = _load_packed_experts(model, ckpt, own)
+    skip = frozenset(n.rpartition(".")[0] for n in seen)
+    for name, t in ckpt.tensors(dtype, device, skip=skip):
         dst = own.get(name)
         if dst is None:
             raise CheckpointError(f"{name}: the model has no such parameter")
@@ -495,6 +510,52 @@ def load_checkpoint(model: nn.Module, ckpt: Dsv4Checkpoint) -> None:
     if missing:
         raise CheckpointError(f"tensors missing from the checkpoint: {sorted(missing)[:8]}")
     log.info(
-        "checkpoint loaded path=%s %s tensors=%d dtype=%s device=%s seconds=%.2f",
-        ckpt.path, ckpt.format.describe(), len(seen), dtype, device, time.perf_counter() - t0,
+        "checkpoint loaded path=%s %s tensors=%d packed_expert_blocks=%d dtype=%s device=%s "
+        "seconds=%.2f",
+        ckpt.path, ckpt.format.describe(), len(seen), len(skip), dtype, device,
+        time.perf_counter() - t0,
     )  # fmt: skip
+
+
+# Fp4Experts buffer -> the PackedExperts field it is copied from
+_PACKED_FIELDS = {
+    "gate_up_packed": "gate_up",
+    "gate_up_scale": "gate_up_scale",
+    "gate_up_scale_2": "gate_up_scale_2",
+    "down_packed": "down",
+    "down_scale": "down_scale",
+    "down_scale_2": "down_scale_2",
+}
+
+
+def _load_packed_experts(model: nn.Module, ckpt: Dsv4Checkpoint, own: dict) -> set[str]:
+    """Copy the stored NVFP4 bytes of every block whose experts the model keeps packed
+    (`Fp4Experts`); returns the state-dict names filled."""
+    from kvrelay.models.deepseek_v4.experts import Fp4Experts
+
+    filled: set[str] = set()
+    for path, module in model.named_modules():
+        if not isinstance(module, Fp4Experts):
+            continue
+        kind, n = path.removeprefix("model.").split(".")[:2]  # layers.3.mlp.experts
+        block: int | str = int(n) if kind == "layers" else f"mtp.{n}"
+        try:
+            packed = ckpt.packed_experts(block)
+        except KeyError:
+            if kind == "mtp":
+                continue  # an absent MTP block stays as initialised
+            raise
+        if packed.fmt != "nvfp4":
+            raise CheckpointError(
+                f"{path}: the checkpoint's experts are {packed.fmt}; packed experts need nvfp4"
+            )
+        for buf, field in _PACKED_FIELDS.items():
+            name, t = f"{path}.{buf}", getattr(packed, field)
+            if own[name].shape != t.shape or own[name].dtype != t.dtype:
+                raise CheckpointError(
+                    f"{name}: checkpoint {t.dtype} {tuple(t.shape)} != model "
+                    f"{own[name].dtype} {tuple(own[name].shape)}"
+                )
+            own[name].copy_(t)
+            filled.add(name)
+    return filled

@@ -25,6 +25,7 @@ from kvrelay.config import CacheConfig, EngineConfig
 from kvrelay.engine.engine import Engine, generate
 from kvrelay.engine.messages import SamplingParams
 from kvrelay.models.deepseek_v4 import DeepseekV4ForCausalLM, init_dummy_weights, preset
+from kvrelay.models.deepseek_v4.experts import Fp4Experts
 from kvrelay.quant import (
     dequantize_fp8_block,
     dequantize_mxfp4,
@@ -112,6 +113,17 @@ def expected(name: str, t: torch.Tensor, layout: str) -> torch.Tensor:
     return t.bfloat16().float()
 
 
+def dense_state(model: DeepseekV4ForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's state dict with packed experts dequantized under the dense names."""
+    out = dict(model.state_dict())
+    for path, module in model.named_modules():
+        if isinstance(module, Fp4Experts):
+            for buf in module.state_dict():
+                del out[f"{path}.{buf}"]
+            out[f"{path}.gate_up_proj"], out[f"{path}.down_proj"] = module.dense()
+    return out
+
+
 @pytest.fixture(scope="module")
 def loaded(dirs) -> dict[str, DeepseekV4ForCausalLM]:
     return {
@@ -124,8 +136,10 @@ def loaded(dirs) -> dict[str, DeepseekV4ForCausalLM]:
 def test_resolve_reads_the_config(dirs, layout: str) -> None:
     src = resolve(dirs[layout])
     assert src.kind == "hf" and src.path == dirs[layout]
-    # The borrowed tokenizer brings BOS/EOS; nothing else differs, the vocab is not widened.
-    assert src.config.with_(bos_token_id=0, eos_token_id=1) == CFG
+    # The borrowed tokenizer brings BOS/EOS; nothing else differs, the vocab is not widened;
+    # NVFP4 layer experts stay packed in memory (this layout's MTP experts are MXFP4: dense).
+    packed = {"expert_format": "nvfp4", "mtp_expert_format": "dense"} if layout == "nvfp4" else {}
+    assert src.config.with_(bos_token_id=0, eos_token_id=1) == CFG.with_(**packed)
     assert src.config.vocab_size == CFG.vocab_size
     assert is_dsv4_dir(dirs[layout])
 
@@ -187,7 +201,7 @@ def test_detected_formats(dirs) -> None:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_parameter_equals_the_dequantized_reference(original, loaded, layout) -> None:
-    own = loaded[layout].state_dict()
+    own = dense_state(loaded[layout])
     ref = original.state_dict()
     assert set(own) == set(ref)
     for name, t in ref.items():
@@ -225,8 +239,19 @@ def test_packed_experts(loaded, dirs, layout) -> None:
             else:
                 assert p.gate_up_scale.dtype == torch.float8_e8m0fnu
             gate_up, down = p.dequantize(torch.float32)
-            assert torch.equal(gate_up, module.mlp.experts.gate_up_proj)
-            assert torch.equal(down, module.mlp.experts.down_proj)
+            experts = module.mlp.experts
+            if fmt == "nvfp4":  # the model holds the checkpoint's bytes, not a dequantized copy
+                assert isinstance(experts, Fp4Experts)
+                assert torch.equal(experts.gate_up_packed, p.gate_up)
+                assert torch.equal(
+                    experts.down_scale.view(torch.uint8), p.down_scale.view(torch.uint8)
+                )
+                assert torch.equal(experts.gate_up_scale_2, p.gate_up_scale_2)
+                dense_gate_up, dense_down = experts.dense()
+                assert torch.equal(gate_up, dense_gate_up) and torch.equal(down, dense_down)
+            else:
+                assert torch.equal(gate_up, experts.gate_up_proj)
+                assert torch.equal(down, experts.down_proj)
 
 
 def test_stream_feeds_load_hf_state_dict_and_tp_shards(loaded, dirs) -> None:
@@ -234,7 +259,7 @@ def test_stream_feeds_load_hf_state_dict_and_tp_shards(loaded, dirs) -> None:
         full = dict(ckpt.tensors(torch.float32))
         model = DeepseekV4ForCausalLM(CFG)
         model.load_hf_state_dict(full)
-        for name, t in loaded["nvfp4"].state_dict().items():
+        for name, t in dense_state(loaded["nvfp4"]).items():
             assert torch.equal(model.state_dict()[name], t), name
         ranks = [dict(ckpt.tensors(torch.float32, tp=(r, 2))) for r in range(2)]
     for name, t in full.items():
@@ -327,3 +352,21 @@ def test_engine_on_the_nvfp4_checkpoint_matches_a_greedy_forward_loop(dirs, load
     for _ in range(6):
         ids.append(int(model(torch.tensor(ids))[-1].argmax()))
     assert got == ids[len(prompt) :]
+
+
+def test_nvfp4_layer_experts_load_packed_without_dequantizing(dirs, monkeypatch) -> None:
+    read = []
+    real = Dsv4Checkpoint.read_dequantized
+    monkeypatch.setattr(
+        Dsv4Checkpoint, "read_dequantized", lambda self, n, *a: read.append(n) or real(self, n, *a)
+    )
+    model = build_model(resolve(dirs["nvfp4"]), torch.float32, torch.device("cpu"))
+    assert not [n for n in read if n.startswith("layers.") and ".ffn.experts." in n]
+    assert [n for n in read if n.startswith("mtp.0.ffn.experts.")]  # MXFP4 there: dequantized
+    layers = [layer.mlp.experts for layer in model.model.layers]
+    assert all(isinstance(x, Fp4Experts) for x in layers)
+    assert not isinstance(model.model.mtp[0].mlp.experts, Fp4Experts)
+    # 4.5 bits a weight (e2m1 + an e4m3 scale per 16) against 32 for the float32 model.
+    packed = sum(b.numel() * b.element_size() for x in layers for b in x.buffers())
+    e, i, h = CFG.n_routed_experts, CFG.moe_intermediate_size, CFG.hidden_size
+    assert packed < 3 * e * i * h * 4.6 / 8 * len(layers)

@@ -71,8 +71,10 @@ class DeepseekV4Config:
     # transformers does not; turn this off to compare with it.
     qat_simulation: bool = True
     # How the routed experts are held in memory: dense in the model dtype, or packed NVFP4
-    # (dequantized per expert on use). A serving choice, not part of HF's config.
+    # (dequantized per expert on use). A serving choice, not part of HF's config. The MTP
+    # block's experts may differ (NVIDIA's NVFP4 checkpoints keep them MXFP4): None = the same.
     expert_format: str = "dense"
+    mtp_expert_format: str | None = None
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -91,8 +93,9 @@ class DeepseekV4Config:
             raise ValueError("qk_rope_head_dim must be even and fit in head_dim and index_head_dim")
         if (self.num_attention_heads * self.head_dim) % self.o_groups:
             raise ValueError("num_attention_heads * head_dim must divide into o_groups")
-        if self.expert_format not in ("dense", "nvfp4"):
-            raise ValueError(f"unknown expert_format {self.expert_format!r} (dense | nvfp4)")
+        for fmt in (self.expert_format, self.mtp_expert_format or "dense"):
+            if fmt not in ("dense", "nvfp4"):
+                raise ValueError(f"unknown expert format {fmt!r} (dense | nvfp4)")
         if self.scoring_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
             raise ValueError(f"unknown scoring_func {self.scoring_func!r}")
         if self.qat_simulation:

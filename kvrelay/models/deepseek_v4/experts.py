@@ -81,6 +81,12 @@ class Fp4Experts(Experts):
         )
         return gate_up, down
 
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every expert dequantized: (gate_up [E, 2I, hidden], down [E, hidden, I]), the
+        layout of `Experts` (tests and conversions; the forward dequantizes per expert)."""
+        pairs = [self.expert_weights(e) for e in range(self.gate_up_packed.shape[0])]
+        return torch.stack([g for g, _ in pairs]), torch.stack([d for _, d in pairs])
+
     @torch.no_grad()
     def init_dummy(self, generator: torch.Generator) -> None:
         """Random codes, unit block scales, and a global scale giving fan-in-scaled weights

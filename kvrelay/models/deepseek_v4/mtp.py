@@ -15,6 +15,8 @@ from kvrelay.models.deepseek_v4.state import LayerState
 
 class MTPLayer(DecoderLayer):
     def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32) -> None:
+        if config.mtp_expert_format is not None:
+            config = config.with_(expert_format=config.mtp_expert_format)
         super().__init__(config, SLIDING, hash_routed=False, dtype=dtype)
         c = config
         h = c.hidden_size
