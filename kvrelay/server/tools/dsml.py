@@ -66,6 +66,16 @@ class ContentDelta:
     text: str
 
 
+def add_content(out: list, text: str) -> None:
+    """Append `text` to a stream parser's pending deltas, merged into a trailing ContentDelta."""
+    if not text:
+        return
+    if out and isinstance(out[-1], ContentDelta):
+        out[-1] = ContentDelta(out[-1].text + text)
+    else:
+        out.append(ContentDelta(text))
+
+
 @dataclass(frozen=True, slots=True)
 class ToolCallDelta:
     """One entry of OpenAI's streaming `choices[0].delta.tool_calls`.
@@ -255,12 +265,7 @@ class DsmlStreamParser:
         return taken
 
     def _content(self, text: str) -> None:
-        if not text:
-            return
-        if self._out and isinstance(self._out[-1], ContentDelta):
-            self._out[-1] = ContentDelta(self._out[-1].text + text)
-        else:
-            self._out.append(ContentDelta(text))
+        add_content(self._out, text)
 
     def _step_text(self, final: bool) -> bool:
         """Plain content: look for a block start. Returns True when it made progress."""

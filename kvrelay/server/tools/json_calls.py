@@ -18,7 +18,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvrelay.server.tools.dsml import ContentDelta, Delta, ToolCallDelta, partial_suffix_start
+from kvrelay.server.tools.dsml import (
+    Delta,
+    ToolCallDelta,
+    add_content,
+    partial_suffix_start,
+)
 
 START = "<tool_call>"
 END = "</tool_call>"
@@ -77,12 +82,7 @@ class JsonToolCallStreamParser:
         return out
 
     def _content(self, text: str) -> None:
-        if not text:
-            return
-        if self._out and isinstance(self._out[-1], ContentDelta):
-            self._out[-1] = ContentDelta(self._out[-1].text + text)
-        else:
-            self._out.append(ContentDelta(text))
+        add_content(self._out, text)
 
     def _step(self, final: bool) -> bool:
         """Consume what can be decided now. Returns True when it made progress."""
