@@ -67,7 +67,7 @@ class EngineStats(msgspec.Struct):
     batch_size: int
     num_tokens: int
     num_prefill: int = 0  # sequences of the step that were prefill chunks (the rest decoded)
-    # A profiled (eager) step: ms per component (attention, mlp | moe, communication, other).
+    # A profiled step: ms per component (attention, mlp | moe, communication, other).
     components: dict[str, float] | None = None
     pd_transfers: dict[str, int] | None = None  # PD roles: transfers per state (the agent's)
     pd_failures: dict[str, int] | None = None  # PD roles: failed transfers by cause, since start
