@@ -1,5 +1,6 @@
 """`kvrelay ab`: A/B of two server configurations. The same bench level (one concurrency, the same
-prompts per trial) runs on A, then B, for each of --trials trials; the relative difference of a
+prompts per trial) runs on A, then B, for each of --trials trials (or, with --order abba, B first
+in every other trial, which cancels a drift that is linear in time); the relative difference of a
 metric, paired by trial, gets a t confidence interval and a verdict such as
 "B is +12.8% ± 2.1% output tok/s at concurrency 64". Either side is a URL or a `kvrelay serve`
 command line that ab starts (both run at once: give each its share of the device).
@@ -49,6 +50,7 @@ class ABConfig:
     seed: int = 0
     num_warmups: int = 1  # before each side's first trial
     request_timeout_s: float = 600.0
+    order: str = "ab"  # ab: A then B in every trial; abba: B first in odd trials
 
     def bench(self, side: str, trial: int) -> BenchConfig:
         """One trial of one side: a single closed-loop level; A and B of a trial share its prompts."""
@@ -66,11 +68,13 @@ class ABConfig:
 
 
 async def run_trials(cfg: ABConfig, progress: Progress | None = None) -> list[dict]:
-    """A then B, trial after trial: what drifts over time hits both sides of a pair alike."""
+    """A then B, trial after trial: what drifts over time hits both sides of a pair alike (with
+    order abba, B goes first in odd trials: a steady drift then favours neither side)."""
     trials = []
     for i in range(cfg.trials):
-        pair = {"trial": i}
-        for side in ("a", "b"):
+        sides = ("b", "a") if cfg.order == "abba" and i % 2 else ("a", "b")
+        pair: dict = {"trial": i, "order": "".join(sides)}
+        for side in sides:
             result = await run_sweep(cfg.bench(side, i), progress)
             (level,) = result["levels"]
             pair[side] = {
@@ -117,6 +121,8 @@ def verdict(metric: str, diff: dict | None, concurrency: int) -> str:
 async def run_ab(cfg: ABConfig, progress: Progress | None = None) -> dict:
     if cfg.trials < 1 or cfg.concurrency < 1:
         raise BenchError("--trials and --concurrency must be at least 1")
+    if cfg.order not in ("ab", "abba"):
+        raise BenchError("--order must be ab or abba")
     if cfg.metric not in METRICS:
         raise BenchError(f"--metric must be one of {', '.join(METRICS)}")
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -143,11 +149,16 @@ def print_report(result: dict, out) -> None:
         out.write(f"B changes: {result['change']}\n")
     m = cfg["metric"]
     label = METRICS[m][0]
-    out.write(f"{'trial':>5}  {'A ' + label:>18}  {'B ' + label:>18}  {'B/A - 1':>8}\n")
+    out.write(
+        f"{'trial':>5}  {'order':>5}  {'A ' + label:>18}  {'B ' + label:>18}  {'B/A - 1':>8}\n"
+    )
     d = result["differences"][m]
     for i, t in enumerate(result["trials"]):
         rel = "-" if d is None else f"{d['per_trial'][i] * 100:+.1f}%"
-        out.write(f"{t['trial']:>5}  {_num(t['a'][m]):>18}  {_num(t['b'][m]):>18}  {rel:>8}\n")
+        order = t.get("order", "ab").upper()
+        out.write(
+            f"{t['trial']:>5}  {order:>5}  {_num(t['a'][m]):>18}  {_num(t['b'][m]):>18}  {rel:>8}\n"
+        )
     for name, diff in result["differences"].items():
         if name == m or diff is None:
             continue
@@ -206,6 +217,13 @@ def add_ab_parser(subparsers) -> argparse.ArgumentParser:
     g = p.add_argument_group("trials")
     g.add_argument("--concurrency", type=int, default=64, help="closed-loop users of every trial")
     g.add_argument("--trials", type=int, default=5, help="A/B pairs to run")
+    g.add_argument(
+        "--order",
+        choices=["ab", "abba"],
+        default="ab",
+        help="ab: A then B in every trial; abba: B first in every other trial (cancels a "
+        "linear drift, e.g. a device warming up)",
+    )
     g.add_argument(
         "--num-prompts",
         type=int,
@@ -269,6 +287,7 @@ def cmd_ab(a: argparse.Namespace) -> int:
             seed=a.seed,
             num_warmups=a.num_warmups,
             request_timeout_s=a.request_timeout,
+            order=a.order,
         )
     except BenchError as e:
         sys.stderr.write(f"kvrelay ab: {e}\n")
