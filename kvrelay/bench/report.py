@@ -134,7 +134,8 @@ def write_json(result: dict, path: Path) -> Path:
 
 
 def write_plots(result: dict, stem: Path) -> list[Path]:
-    """`<stem>-latency.png` (percentiles of TTFT, TPOT, ITL, E2E) and `<stem>-throughput.png`."""
+    """`<stem>-latency.png` (percentiles of TTFT, TPOT, ITL, E2E), `<stem>-throughput.png`, and
+    for a profiled run `<stem>-step-split.png` (a decode step's components per level)."""
     # The object API with an Agg canvas: no pyplot, no global backend switch, no display needed.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -180,7 +181,35 @@ def write_plots(result: dict, stem: Path) -> list[Path]:
     fig.suptitle(f"Throughput vs {xlabel} — {title}")
     throughput = stem.with_name(stem.name + "-throughput.png")
     FigureCanvasAgg(fig).print_png(str(throughput))
-    return [latency, throughput]
+    split = _split_plot(result, stem, xlabel, title)
+    return [latency, throughput] + ([split] if split else [])
+
+
+def _split_plot(result: dict, stem: Path, xlabel: str, title: str) -> Path | None:
+    """Stacked bars: mean ms of each component of a profiled decode step, per level."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    levels = [lv for lv in result["levels"] if lv.get("step_split")]
+    if not levels:
+        return None
+    names: list[str] = []
+    for lv in levels:
+        names += [n for n in lv["step_split"]["components"] if n not in names]
+    xs = list(range(len(levels)))
+    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    ax = fig.subplots()
+    bottom = [0.0] * len(levels)
+    for name in names:
+        ms = [lv["step_split"]["components"].get(name, {}).get("ms_mean", 0.0) for lv in levels]
+        ax.bar(xs, ms, bottom=bottom, label=name)
+        bottom = [b + m for b, m in zip(bottom, ms, strict=True)]
+    labels = [f"{level_label(lv)}\nbatch {lv['step_split']['batch_mean']:.1f}" for lv in levels]
+    _axes(ax, xs, labels, xlabel, "ms per profiled decode step")
+    fig.suptitle(f"Where a decode step goes — {title}")
+    path = stem.with_name(stem.name + "-step-split.png")
+    FigureCanvasAgg(fig).print_png(str(path))
+    return path
 
 
 def _nan(x: float | None) -> float:

@@ -246,3 +246,5 @@ def test_step_split_from_profiled_steps(server, tmp_path, capsys):
     assert r["step_fit"]["num_profiled_left_out"] > 0
     out = capsys.readouterr().out
     assert "c=1 split (" in out and "c=4 split (" in out and "sweep split (" in out
+    assert r["plots"][-1] == str(tmp_path / "run-step-split.png")
+    check_png(tmp_path / "run-step-split.png")
