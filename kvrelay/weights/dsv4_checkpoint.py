@@ -88,9 +88,12 @@ def is_dsv4_dir(path: str) -> bool:
     return any(d is not None and _is_dsv4_dict(d) for d in _config_dicts(path))
 
 
-def read_dsv4_config(path: str) -> tuple[DeepseekV4Config, dict[str, Any]]:
+def read_dsv4_config(
+    path: str, index: dict[str, TensorInfo] | None = None
+) -> tuple[DeepseekV4Config, dict[str, Any]]:
     """(config, raw config dict). The top-level config.json wins; inference/config.json (native
-    names) is the fallback. The quantization_config, if any, comes from whichever has it."""
+    names) is the fallback. The quantization_config, if any, comes from whichever has it.
+    `index` (the tensor index, if the caller has read it) decides how experts are held."""
     root, native = _config_dicts(path)
     chosen = root if root is not None and _is_dsv4_dict(root) else native
     if chosen is None or not _is_dsv4_dict(chosen):
@@ -102,7 +105,7 @@ def read_dsv4_config(path: str) -> tuple[DeepseekV4Config, dict[str, Any]]:
     cfg = DeepseekV4Config.from_dict(raw)
     # NVFP4 experts stay packed in memory (how a Flash-sized model fits): the loader copies
     # their bytes into `Fp4Experts` instead of dequantizing them.
-    fmt = detect_format(read_index(path))
+    fmt = detect_format(read_index(path) if index is None else index)
     if fmt.experts == "nvfp4":
         cfg = cfg.with_(
             expert_format="nvfp4",
@@ -322,8 +325,8 @@ class Dsv4Checkpoint:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.config, self.raw_config = read_dsv4_config(path)
         self.index = read_index(path)
+        self.config, self.raw_config = read_dsv4_config(path, self.index)
         self.format = detect_format(self.index)
         q = self.raw_config.get("quantization_config") or {}
         self.weight_block = tuple(q.get("weight_block_size") or DEFAULT_WEIGHT_BLOCK)
