@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import ServerProcess
-from openai_calls import client, run_spec
+from openai_calls import assert_same_outputs, run_specs
 from pd_stack import PDStack, engine_threads
 
 MODEL = "dsv4-tiny"
@@ -82,22 +82,13 @@ def _specs() -> list[dict]:
 def test_pd_matches_single_server_token_for_token(stacks):
     single, pd = stacks
     specs = _specs()
-    with ThreadPoolExecutor(len(specs)) as ex:
-        want = list(ex.map(lambda s: run_spec(client(single.url), MODEL, s), specs))
-    with ThreadPoolExecutor(len(specs)) as ex:
-        got = list(ex.map(lambda s: run_spec(client(pd.router.url), MODEL, s), specs))
-    for spec, w, g in zip(specs, want, got, strict=True):
-        label = f"{spec['kind']} stream={spec['stream']} max_tokens={spec['max_tokens']}"
-        assert g["text"] == w["text"], label
-        assert g["finish"] == w["finish"] and g["n"] == w["n"], label
-        if w["lps"] is None:
-            assert g["lps"] is None, label
-        else:
-            # 1e-4 relative: served dsv4-tiny simulates QAT (FP8 activations), which turns
-            # last-bit GEMM differences between differently composed batches into ~1e-5
-            # relative ones; a cache error changes tokens (test_dsv4_transfer_agents.py checks
-            # 1e-4 absolute with QAT off).
-            assert g["lps"] == pytest.approx(w["lps"], rel=1e-4, abs=1e-4), label
+    want = run_specs(single.url, MODEL, specs)
+    got = run_specs(pd.router.url, MODEL, specs)
+    # Logprobs within 1e-4 relative: served dsv4-tiny simulates QAT (FP8 activations), which
+    # turns last-bit GEMM differences between differently composed batches into ~1e-5 relative
+    # ones; a cache error changes tokens (test_dsv4_transfer_agents.py checks 1e-4 absolute
+    # with QAT off).
+    assert_same_outputs(specs, want, got, rel=1e-4, abs=1e-4)
     pd.wait_idle()
     assert pd.router.metric("kvrelay_router_requests_total", '{outcome="error"}') == 0
     assert pd.router.metric("kvrelay_router_requests_total", '{outcome="ok"}') == len(specs)

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from openai_calls import client
 from pd_stack import PDStack, metrics
 
 MODEL = "smollm2"
@@ -36,13 +37,9 @@ def stack():
     s.close()
 
 
-def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def _request(url: str, i: int) -> dict:
     """Greedy completion of PROMPTS[i % 3] (odd i: streamed); the outcome, never raising."""
-    c = _client(url)
+    c = client(url, timeout=120)
     kw = dict(model=MODEL, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=8, temperature=0)
     t = time.time()
     try:

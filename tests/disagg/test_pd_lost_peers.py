@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 from conftest import free_port
+from openai_calls import client
 from pd_stack import PDStack, metrics, pd_gauges
 
 MODEL = "smollm2"
@@ -39,13 +40,9 @@ def stack():
     s.close()
 
 
-def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def _request(url: str, i: int, prompt: str, max_tokens: int, streaming: set | None = None) -> dict:
     """One completion (odd i: streamed); never raises: the outcome and when it ended."""
-    c = _client(url)
+    c = client(url, timeout=120)
     kw = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
     kw["extra_body"] = {"ignore_eos": True}
     chunks = 0
@@ -109,6 +106,15 @@ def _recovers(stack: PDStack, n: int = 32) -> None:
         outs = list(ex.map(lambda a: _request(stack.router.url, a[0], a[1], 4), enumerate(prompts)))
     failed = [o for o in outs if not o["ok"]]
     assert not failed, f"{len(failed)} of {n} failed after recovery: {failed[:3]}"
+
+
+def _restart_alone(stack: PDStack, side: str) -> None:
+    """Restart one side only; the stack serves again and settles idle."""
+    t = time.time()
+    stack.restart(side)
+    print(f"{side} restarted in {time.time() - t:.1f}s")
+    _recovers(stack)
+    stack.wait_idle()
 
 
 def _check_failures(
@@ -214,11 +220,7 @@ def test_decode_killed_mid_transfer_then_restarted_alone(stack):
     print(f"failures counted: router {routed}, prefill {lost}")
     assert lost and set(lost) <= {"peer_connection_lost", "aborted"}, lost
 
-    t = time.time()
-    stack.restart("decode")
-    print(f"decode restarted in {time.time() - t:.1f}s")
-    _recovers(stack)
-    stack.wait_idle()
+    _restart_alone(stack, "decode")
     events = _new_failures(stack.prefill.url, prefill_before, BOOTSTRAP)
     print(f"prefill's bootstrap events: {events}")
     assert events.get("peer_lost", 0) >= 1 and events.get("peer_restarted") == 1, events
@@ -264,11 +266,7 @@ def test_prefill_killed_mid_transfer_then_restarted_alone(stack):
     print(f"failures counted: router {routed}, decode {lost}")
     assert lost and set(lost) <= {"peer_connection_lost", "aborted"}, lost
 
-    t = time.time()
-    stack.restart("prefill")
-    print(f"prefill restarted in {time.time() - t:.1f}s")
-    _recovers(stack)
-    stack.wait_idle()
+    _restart_alone(stack, "prefill")
     # Decode can't tell a restarted prefill (it connects from a fresh port): lost, then connected.
     events = _new_failures(stack.decode.url, decode_before, BOOTSTRAP)
     print(f"decode's bootstrap events: {events}")

@@ -8,11 +8,9 @@ request is left on either side.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import openai
 import pytest
-from openai_calls import client, run_spec
+from openai_calls import assert_same_outputs, client, run_specs
 from pd_stack import PDStack, bootstrap_events, metrics
 
 from kvrelay.models.presets import PRESETS
@@ -73,19 +71,9 @@ def _specs() -> list[dict]:
 def test_pd_matches_single_server_token_for_token(pd, server):
     specs = _specs()
     before = {side: metrics(getattr(pd, side).url) for side in ("prefill", "decode")}
-    single, router = client(server.url), client(pd.router.url)
-    with ThreadPoolExecutor(len(specs)) as ex:
-        want = list(ex.map(lambda s: run_spec(single, MODEL, s), specs))
-    with ThreadPoolExecutor(len(specs)) as ex:
-        got = list(ex.map(lambda s: run_spec(router, MODEL, s), specs))
-    for spec, w, g in zip(specs, want, got, strict=True):
-        label = f"{spec['kind']} stream={spec['stream']} max_tokens={spec['max_tokens']}"
-        assert g["text"] == w["text"], label
-        assert g["finish"] == w["finish"] and g["n"] == w["n"], label
-        if w["lps"] is None:
-            assert g["lps"] is None, label
-        else:
-            assert g["lps"] == pytest.approx(w["lps"], abs=1e-3), label
+    want = run_specs(server.url, MODEL, specs)
+    got = run_specs(pd.router.url, MODEL, specs)
+    assert_same_outputs(specs, want, got, abs=1e-3)
     pd.wait_idle()
     assert pd.router.metric("kvrelay_router_requests_total", '{outcome="error"}') == 0
     assert pd.router.metric("kvrelay_router_requests_total", '{outcome="ok"}') == len(specs)
