@@ -1,4 +1,5 @@
-"""Shared fixtures: a real `kvrelay serve` subprocess, and the gpu marker's skip rule."""
+"""Shared fixtures: a real `kvrelay serve` subprocess, one torch thread for modules of tiny ops,
+and the gpu marker's skip rule."""
 
 from __future__ import annotations
 
@@ -21,6 +22,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For a module's tests: torch uses one intra-op thread, restored after the module. Tiny ops
+    (and several engines pumped by one thread) only pay for fan-out and contention on a small
+    CI machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def free_port() -> int:

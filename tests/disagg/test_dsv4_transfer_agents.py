@@ -52,13 +52,7 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 250, (n,), generator=g).tolist()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Two engines pumped by one thread: more intra-op threads than free cores only spin.
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # two engines pumped by one thread
 
 
 @pytest.fixture(scope="module")

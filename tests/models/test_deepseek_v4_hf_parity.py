@@ -39,12 +39,7 @@ from kvrelay.models.deepseek_v4.indexer import Indexer
 T = 256  # 64 ratio-4 entries, 16 ratio-16 entries, the 16-token window full many times over
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops
 
 
 def _write_checkpoint(path: Path, cfg: DeepseekV4Config, seed: int) -> None:

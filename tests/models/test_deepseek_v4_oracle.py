@@ -19,13 +19,7 @@ from kvrelay.models.deepseek_v4.config import CSA, HASH_MOE, SLIDING, DeepseekV4
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny ops: intra-op threads only add overhead (and contention on small CI machines)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops
 
 
 # --------------------------------------------------------------------------------------------

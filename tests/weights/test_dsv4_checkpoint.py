@@ -55,13 +55,7 @@ AS_STORED = re.compile(
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny tensors: thread fan-out only costs time on a shared machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops
 
 
 @pytest.fixture(scope="module")
