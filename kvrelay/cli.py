@@ -44,7 +44,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
     g.add_argument(
-        "--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton"]
+        "--attention-backend",
+        default=d.attention_backend,
+        choices=["auto", "torch", "triton", "reference"],
+        help="auto: triton on GPU, torch elsewhere; reference: DeepSeek-V4's per-sequence "
+        "oracle path (dense models: torch)",
     )
     g.add_argument("--disable-cuda-graphs", action="store_true", help="run decode eagerly on GPU")
     g.add_argument("--max-cuda-graph-batch", type=int, default=d.max_cuda_graph_batch)

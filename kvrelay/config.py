@@ -87,7 +87,7 @@ class EngineConfig:
     tokenizer: str | None = None  # HF tokenizer directory overriding the model's
     dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     device: str = "auto"
-    attention_backend: str = "auto"  # auto: triton on GPU, torch elsewhere
+    attention_backend: str = "auto"  # auto: triton on GPU, torch elsewhere; reference (DSV4 oracle)
     cuda_graphs: bool = True
     max_cuda_graph_batch: int = 256
     # Time attention / MLP or MoE / communication / other on every N-th step; 0: off.

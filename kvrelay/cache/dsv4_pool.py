@@ -31,6 +31,12 @@ _FP8 = torch.float8_e4m3fn
 _FP8_MAX = 448.0
 
 
+def _fp8_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 rows with one fp32 scale each (amax / 448)."""
+    scale = rows.float().abs().amax(dim=-1).clamp(min=1e-12) / _FP8_MAX
+    return (rows.float() / scale[:, None]).to(_FP8), scale
+
+
 def dsv4_page_size(cfg: DeepseekV4Config, requested: int) -> int:
     """The smallest multiple of every compress ratio that is >= the requested page size."""
     unit = math.lcm(cfg.csa_compress_ratio, cfg.hca_compress_ratio)
@@ -168,10 +174,25 @@ class DeepseekV4CachePool:
         if not self.index_fp8:
             self._write(self.index_k[i], pages, first, rows, r)
             return
-        amax = rows.float().abs().amax(dim=-1).clamp(min=1e-12)
-        scale = amax / _FP8_MAX
-        self._write(self.index_k[i], pages, first, (rows.float() / scale[:, None]).to(_FP8), r)
+        q, scale = _fp8_rows(rows)
+        self._write(self.index_k[i], pages, first, q, r)
         self._write(self.index_k_scale[i], pages, first, scale, r)
+
+    # -- rows by flat pool index (the batched forward) ----------------------------------------
+    def store_index_k(self, i: int, rows: torch.Tensor, keys: torch.Tensor) -> None:
+        """Write index keys [n, d] at flat rows [n] (fp8: with their per-row scale)."""
+        flat = self.index_k[i].flatten(0, 1)
+        if not self.index_fp8:
+            flat.index_copy_(0, rows, keys.to(flat.dtype))
+            return
+        q, scale = _fp8_rows(keys)
+        flat.view(torch.uint8).index_copy_(0, rows, q.view(torch.uint8))  # no fp8 index_copy
+        self.index_k_scale[i].flatten(0, 1).index_copy_(0, rows, scale)
+
+    def index_k_rows(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(keys [rows, d], per-row scale [rows] or None) of layer i, flat over pages."""
+        scale = self.index_k_scale[i]
+        return self.index_k[i].flatten(0, 1), None if scale is None else scale.flatten(0, 1)
 
     # -- one layer's state of one request, as the model code takes it ----------------------
     def load_layer(self, i: int, pages: torch.Tensor, slot: int, start: int) -> LayerState:

@@ -1,5 +1,6 @@
-"""Runs DeepSeek-V4 for a scheduled batch: its paged cache pools, state slots and the torch
-reference forward (no CUDA graphs yet; the kernels come later)."""
+"""Runs DeepSeek-V4 for a scheduled batch: its paged cache pools, state slots, and the batched
+forward (torch ops, or Triton kernels on the GPU) — or, with `--attention-backend reference`,
+the per-sequence oracle path."""
 
 from __future__ import annotations
 
@@ -14,7 +15,11 @@ from kvrelay.disagg.layout import PAGE, SLOT, CacheKind
 from kvrelay.engine.runner import cache_budget, pick_device, pick_dtype
 from kvrelay.engine.scheduler import ScheduledRequest
 from kvrelay.layers.step_profile import StepProfiler
+from kvrelay.models.deepseek_v4.batch_meta import build_meta
+from kvrelay.models.deepseek_v4.batched import forward_batched
+from kvrelay.models.deepseek_v4.config import CSA, HCA
 from kvrelay.models.deepseek_v4.paged import PagedSequence, forward_paged
+from kvrelay.models.deepseek_v4.pooled_attention import AttentionOps
 from kvrelay.weights.loader import ModelSource, build_model
 
 log = logging.getLogger("kvrelay.runner")
@@ -37,10 +42,20 @@ class DeepseekV4Runner:
         )  # fmt: skip
         self.allocator = PageAllocator(num_pages)
         self.layer_hook = None  # benchmarks: called before each layer (and after the last)
+        self.reference = cfg.attention_backend == "reference"
+        self.ratios = tuple(
+            sorted({c.compress_ratio(i) for i, t in enumerate(c.layer_types) if t in (CSA, HCA)})
+        )
+        self.ops, self.experts_fn = _pick_ops(cfg.attention_backend, self.device)
         # Admission keeps running requests <= max_running_requests, so a slot is always free.
         self.state_slots = PageAllocator(num_slots)
         pool_tokens = (num_pages - 1) * self.page_size
         self.max_model_len = min(cfg.max_model_len or c.max_position_embeddings, pool_tokens)
+        self.graphs = None
+        if self.device.type == "cuda" and cfg.cuda_graphs and self.experts_fn is not None:
+            from kvrelay.engine.dsv4_graphs import Dsv4GraphRunner
+
+            self.graphs = Dsv4GraphRunner(self, cfg.max_cuda_graph_batch, self.max_model_len)
         log.info(
             "runner ready model=deepseek_v4 device=%s dtype=%s pages=%d page_size=%d "
             "slots=%d max_model_len=%d index_k=%s",
@@ -93,6 +108,53 @@ class DeepseekV4Runner:
         """Logits [N, V] (float32) of the batch's sampling rows in order (every row if
         `all_rows`: tests compare whole chunks with the full-sequence forward); `profile` times
         the step's components."""
+        if self.reference:
+            return self._forward_reference(batch, profile, all_rows)
+        if self._graphable(batch, profile, all_rows):
+            return self.graphs.run(
+                [s.req.token_slice(s.req.num_computed, s.req.num_computed + 1)[0] for s in batch],
+                [s.req.num_computed for s in batch],
+                [s.req.pages for s in batch],
+                [s.req.state_slot for s in batch],
+            ).float()
+        ids: list[int] = []
+        sample_rows: list[int] = []
+        for s in batch:
+            r, start = s.req, s.req.num_computed
+            first = len(ids)
+            ids += r.token_slice(start, start + s.num_new_tokens)
+            if all_rows:
+                sample_rows += range(first, len(ids))
+            elif s.samples:
+                sample_rows.append(len(ids) - 1)
+        meta = build_meta(
+            [s.req.num_computed for s in batch],
+            [s.num_new_tokens for s in batch],
+            [s.req.pages for s in batch],
+            [s.req.state_slot for s in batch],
+            self.ratios,
+            self.page_size,
+            self.device,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+        rows_t = torch.tensor(sample_rows, dtype=torch.long).to(self.device, non_blocking=True)
+        logits = forward_batched(
+            self.model, input_ids, meta, self.cache, rows_t, self.ops, self.experts_fn, profile
+        )
+        return logits.float()
+
+    def _graphable(self, batch, profile, all_rows: bool) -> bool:
+        """A decode step (one sampled token per request) that a captured graph covers; profiled
+        steps run eagerly so their components can be timed."""
+        return (
+            self.graphs is not None
+            and profile is None
+            and not all_rows
+            and all(s.num_new_tokens == 1 and s.samples for s in batch)
+            and self.graphs.can_run(max(s.req.num_computed for s in batch) + 1, len(batch))
+        )
+
+    def _forward_reference(self, batch, profile, all_rows: bool) -> torch.Tensor:
         ids: list[int] = []
         seqs: list[PagedSequence] = []
         sample_rows: list[int] = []
@@ -112,3 +174,17 @@ class DeepseekV4Runner:
             self.model, input_ids, seqs, self.cache, rows_t, self.layer_hook, profile
         )
         return logits.float()
+
+
+def _pick_ops(backend: str, device: torch.device) -> tuple[AttentionOps, object]:
+    """Torch references (CPU, `torch`), or the Triton kernels (`triton`; auto on the GPU)."""
+    from kvrelay.kernels.indexer_reference import indexer_topk_reference
+    from kvrelay.models.deepseek_v4.sparse_attention import sparse_mqa_reference
+
+    if backend == "triton" or (backend == "auto" and device.type == "cuda"):
+        from kvrelay.kernels.triton_indexer import indexer_topk
+        from kvrelay.kernels.triton_moe import fused_experts
+        from kvrelay.kernels.triton_sparse_attention import sparse_mqa
+
+        return AttentionOps(sparse_mqa, indexer_topk), fused_experts
+    return AttentionOps(sparse_mqa_reference, indexer_topk_reference), None

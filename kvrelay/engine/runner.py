@@ -68,6 +68,8 @@ class ModelRunner:
         backend = cfg.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
+        elif backend == "reference":  # DeepSeek-V4's oracle path; dense: the torch reference
+            backend = "torch"
         self.backend = make_backend(backend)
         # The Triton backend also brings the fused per-token kernels; "torch" is the reference.
         self.ops = triton_ops() if backend == "triton" else TORCH_OPS

@@ -56,10 +56,12 @@ class DecoderLayer(nn.Module):
         input_ids: torch.Tensor,
         attend: Callable[[torch.Tensor], torch.Tensor],
         profile: StepProfiler | None = None,
+        experts_fn: Callable | None = None,
     ) -> torch.Tensor:
         """The block around an attention callback: `attend` maps the normed inputs of all rows
         to their attention outputs (one sequence here; a batch of them in the paged engine).
-        `profile` (a profiled engine step) times attention and MoE."""
+        `profile` (a profiled engine step) times attention and MoE; `experts_fn` replaces the
+        routed experts' torch forward (see MoE.forward)."""
         h, post, comb = self.attn_hc(streams)
         h = self.input_layernorm(h)
         with timed(profile, ATTENTION):
@@ -68,5 +70,5 @@ class DecoderLayer(nn.Module):
         h, post, comb = self.ffn_hc(streams)
         h = self.post_attention_layernorm(h)
         with timed(profile, MOE):
-            out = self.mlp(h, input_ids)
+            out = self.mlp(h, input_ids, experts_fn)
         return HyperConnection.merge(out, streams, post, comb)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -75,7 +77,14 @@ class MoE(nn.Module):
         self.experts = make_experts(config, dtype)
         self.shared_experts = SharedExpert(config, dtype)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, input_ids: torch.Tensor, experts_fn: Callable | None = None
+    ) -> torch.Tensor:
+        """`experts_fn(x, weights, idx, experts)`, if given, computes the routed experts (the
+        fused kernel: no host sync); else their torch forward."""
         weights, idx = self.gate(x, input_ids)
-        routed = self.experts(x, weights, idx)
+        if experts_fn is not None:
+            routed = experts_fn(x, weights, idx, self.experts)
+        else:
+            routed = self.experts(x, weights, idx)
         return (routed + wide(self.shared_experts(x))).to(x.dtype)

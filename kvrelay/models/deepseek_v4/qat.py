@@ -37,16 +37,17 @@ def fake_quant_fp8_ue8m0(x: torch.Tensor, block: int = 64) -> torch.Tensor:
 
 
 def _round_e2m1(v: torch.Tensor) -> torch.Tensor:
-    """Round |v| <= 6 to the nearest e2m1 value, ties to the even mantissa (as a cast would)."""
-    grid = torch.tensor(_E2M1, dtype=v.dtype, device=v.device)
+    """Round |v| <= 6 to the nearest e2m1 value, ties to the even mantissa (as a cast would).
+    The grid's step is 0.5 below 2, 1 below 4 and 2 up to 6, and torch.round rounds half to
+    even, which on each step's grid is the even code; pure arithmetic (no table to copy to the
+    device, so it can run inside a CUDA graph capture)."""
     mag = v.abs().clamp(max=_FP4_MAX)
-    # candidate below and above, then pick the nearer; on a tie the one with even code wins
-    hi_idx = torch.searchsorted(grid, mag.contiguous(), right=False).clamp(max=len(_E2M1) - 1)
-    lo_idx = (hi_idx - 1).clamp(min=0)
-    lo, hi = grid[lo_idx], grid[hi_idx]
-    d_lo, d_hi = mag - lo, hi - mag
-    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi_idx % 2 == 0))
-    return torch.where(pick_hi, hi, lo) * v.sign()
+    q = torch.where(
+        mag < 2,
+        torch.round(mag * 2) * 0.5,
+        torch.where(mag < 4, torch.round(mag), torch.round(mag * 0.5) * 2),
+    )
+    return q * v.sign()
 
 
 def fake_quant_fp4(x: torch.Tensor, block: int = 32) -> torch.Tensor:

@@ -43,6 +43,8 @@ class RopeTable:
 
     def __init__(self, inv_freq: torch.Tensor) -> None:
         self.inv_freq = inv_freq.to(torch.float64)
+        # per (device, dtype): copied once, so a CUDA graph capture finds no host copy to do
+        self._on_device: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     @classmethod
     def for_layer(cls, config: DeepseekV4Config, layer_type: str) -> RopeTable:
@@ -66,7 +68,10 @@ class RopeTable:
         """cos, sin of shape [n, dim // 2]. Angles are formed in fp32 like the reference (fp64
         for a model that runs in fp64)."""
         wdt = wide_dtype(dtype)
-        inv = self.inv_freq.to(device=positions.device, dtype=wdt)
+        key = (positions.device, wdt)
+        if key not in self._on_device:
+            self._on_device[key] = self.inv_freq.to(device=positions.device, dtype=wdt)
+        inv = self._on_device[key]
         angles = positions.to(wdt)[:, None] * inv[None, :]
         return angles.cos(), angles.sin()
 

@@ -24,13 +24,29 @@ def sparse_attention(
 
     Computed wide (fp32, or fp64 for fp64 inputs); returned in q's dtype.
     """
-    kvw = wide(kv)
-    sink = wide(sinks).to(kvw.dtype)
+    return sparse_mqa_reference(q, kv, indices, None, None, sinks, scale)
+
+
+def sparse_mqa_reference(
+    q: torch.Tensor,
+    kv_a: torch.Tensor,
+    idx_a: torch.Tensor,
+    kv_b: torch.Tensor | None,
+    idx_b: torch.Tensor | None,
+    sinks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Like `sparse_attention` over two sources at once (the window pool and the compressed
+    pool, each indexed by its own rows): the contract of the Triton `sparse_mqa`."""
+    sources = [(kv_a, idx_a)] if kv_b is None else [(kv_a, idx_a), (kv_b, idx_b)]
+    wdt = wide(kv_a).dtype
+    sink = wide(sinks).to(wdt)
     out = []
     for b in range(0, q.shape[0], _QUERY_BLOCK):
-        qb, ib = wide(q[b : b + _QUERY_BLOCK]).to(kvw.dtype), indices[b : b + _QUERY_BLOCK]
-        valid = ib >= 0
-        g = kvw[ib.clamp(min=0)]  # [nb, K, D]
+        qb = wide(q[b : b + _QUERY_BLOCK]).to(wdt)
+        ib = [i[b : b + _QUERY_BLOCK] for _, i in sources]
+        valid = torch.cat([i >= 0 for i in ib], dim=1)
+        g = torch.cat([kv[i.clamp(min=0)] for (kv, _), i in zip(sources, ib, strict=True)], dim=1).to(wdt)
         logits = torch.einsum("nhd,nkd->nhk", qb, g) * scale
         logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
         m = torch.maximum(logits.amax(dim=-1), sink[None, :])  # [nb, H]

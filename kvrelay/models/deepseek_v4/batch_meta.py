@@ -1,0 +1,174 @@
+"""What one batched DeepSeek-V4 forward reads about its batch, built once per step on the host
+(`build_meta`) and the index tensors every layer of a kind shares, derived on the device
+(`StepIndex`), so that a decode step is a fixed sequence of kernels a CUDA graph can replay.
+
+A batch is varlen: sequence b contributes rows tok_base[b] .. tok_base[b] + n_b - 1 of the T
+rows, its tokens at positions chunk_start[b] .. chunk_end[b] - 1. Compressed entry e of ratio
+r of a sequence covers its tokens [e*r, (e+1)*r) and lives in pool row
+page_table[b, e*r // P] * (P // r) + e % (P // r). Padding rows (CUDA graph buckets) belong to
+sequences whose pages and state slot are the dummy page 0 and slot 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Closers:
+    """Rows whose token closes a compression window of one ratio (entry (pos + 1) / r - 1 is
+    complete after it). `valid` is False for padding; `last` marks each sequence's last closer
+    in the step (it leaves its window in the overlap state)."""
+
+    rows: torch.Tensor  # [C] long
+    valid: torch.Tensor  # [C] bool
+    last: torch.Tensor  # [C] bool
+
+
+@dataclass
+class BatchMeta:
+    positions: torch.Tensor  # [T] long
+    seq: torch.Tensor  # [T] long, the row's sequence
+    page_table: torch.Tensor  # [B, max_pages] long (padding: page 0)
+    slots: torch.Tensor  # [B] long compressor-state slot (padding: 0)
+    chunk_start: torch.Tensor  # [B] long tokens cached before this step
+    chunk_end: torch.Tensor  # [B] long
+    tok_base: torch.Tensor  # [B] long first row of the sequence
+    closers: dict[int, Closers]  # per compress ratio
+    max_entries: dict[int, int]  # per ratio: entries any sequence may see (python int)
+    page_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+
+def build_meta(
+    starts: list[int],
+    counts: list[int],
+    pages: list[list[int]],
+    slots: list[int],
+    ratios: tuple[int, ...],
+    page_size: int,
+    device: torch.device,
+    max_entries: dict[int, int] | None = None,
+    closers_per_row: bool = False,
+) -> BatchMeta:
+    """Host-side metadata of sequences that add counts[b] tokens after starts[b] cached ones.
+    `closers_per_row` (decode graphs) lists every row as a potential closer with a validity
+    flag, so that C does not depend on the positions; otherwise only the true closers are
+    listed. `max_entries` overrides the per-ratio entry bound (graphs fix it per bucket)."""
+    b_n = len(starts)
+    st = np.asarray(starts, dtype=np.int64)
+    cnt = np.asarray(counts, dtype=np.int64)
+    end = st + cnt
+    base = np.concatenate(([0], np.cumsum(cnt)[:-1])).astype(np.int64)
+    seq = np.repeat(np.arange(b_n, dtype=np.int64), cnt)
+    pos = np.arange(int(cnt.sum()), dtype=np.int64) - base[seq] + st[seq]
+    width = max(1, max(len(p) for p in pages))
+    table = np.zeros((b_n, width), dtype=np.int64)
+    for b, p in enumerate(pages):
+        table[b, : len(p)] = p
+    closers = {}
+    for r in ratios:
+        closing = (pos + 1) % r == 0
+        if closers_per_row:
+            rows = np.arange(pos.shape[0], dtype=np.int64)
+            valid = closing
+        else:
+            rows = np.nonzero(closing)[0]
+            valid = np.ones(rows.shape[0], dtype=bool)
+        # the last closer of its sequence: no later closing row of the same sequence
+        last = valid & (end[seq[rows]] // r * r == pos[rows] + 1)
+        closers[r] = (rows, valid, last)
+
+    def dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
+
+    if max_entries is None:
+        max_entries = {r: max(1, int(end.max()) // r) for r in ratios}
+    return BatchMeta(
+        positions=dev(pos),
+        seq=dev(seq),
+        page_table=dev(table),
+        slots=dev(np.asarray(slots, dtype=np.int64)),
+        chunk_start=dev(st),
+        chunk_end=dev(end),
+        tok_base=dev(base),
+        closers={r: Closers(dev(a), dev(v), dev(last)) for r, (a, v, last) in closers.items()},
+        max_entries=dict(max_entries),
+        page_size=page_size,
+    )
+
+
+@dataclass
+class StepIndex:
+    """Device-side index tensors derived from a BatchMeta, computed on first use in a step and
+    shared by every layer that needs them."""
+
+    meta: BatchMeta
+    window: int
+    _cache: dict = field(default_factory=dict)
+
+    def _memo(self, key, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def swa_rows(self) -> torch.Tensor:
+        """[T] the flat sliding-window pool row of each row's token."""
+        m = self.meta
+        return self._memo("swa_rows", lambda: self.token_rows(m.seq, m.positions))
+
+    def token_rows(self, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Flat per-token pool rows of positions `pos` (>= 0) of sequences `seq`."""
+        m, p = self.meta, self.meta.page_size
+        return m.page_table[seq, pos // p] * p + pos % p
+
+    def window_idx(self) -> torch.Tensor:
+        """[T, window] pool rows of positions pos - window + 1 .. pos; -1 before position 0."""
+
+        def make() -> torch.Tensor:
+            m = self.meta
+            offs = torch.arange(self.window, device=m.positions.device) - (self.window - 1)
+            pos = m.positions[:, None] + offs[None, :]
+            rows = self.token_rows(m.seq[:, None].expand_as(pos), pos.clamp(min=0))
+            return torch.where(pos >= 0, rows, -1)
+
+        return self._memo("window", make)
+
+    def entry_rows_of(self, ratio: int, seq: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
+        """Pool rows of entries `entry` (>= 0) of sequences `seq`."""
+        m, p = self.meta, self.meta.page_size
+        return m.page_table[seq, entry * ratio // p] * (p // ratio) + entry % (p // ratio)
+
+    def entry_rows(self, ratio: int) -> torch.Tensor:
+        """[B, max_entries] pool rows of each sequence's entries 0 .. max_entries - 1 (rows of
+        entries past the page table's end point at the dummy page)."""
+
+        def make() -> torch.Tensor:
+            m, p = self.meta, self.meta.page_size
+            per_page = p // ratio
+            e = torch.arange(m.max_entries[ratio], device=m.positions.device)
+            col = (e * ratio // p).clamp(max=m.page_table.shape[1] - 1)
+            return m.page_table[:, col] * per_page + e % per_page
+
+        return self._memo(("entries", ratio), make)
+
+    def visible(self, ratio: int) -> torch.Tensor:
+        """[T] entries of this ratio each row's token may attend to: (pos + 1) // ratio."""
+        return self._memo(("visible", ratio), lambda: (self.meta.positions + 1) // ratio)
+
+    def all_entries_idx(self, ratio: int) -> torch.Tensor:
+        """[T, max_entries] pool rows of every visible entry (HCA), -1 for the rest."""
+
+        def make() -> torch.Tensor:
+            m = self.meta
+            rows = self.entry_rows(ratio)[m.seq]
+            e = torch.arange(rows.shape[1], device=rows.device)
+            return torch.where(e[None, :] < self.visible(ratio)[:, None], rows, -1)
+
+        return self._memo(("all_entries", ratio), make)

@@ -1,0 +1,44 @@
+"""DeepSeek-V4 over a varlen batch in one pass per layer: every row of every sequence goes
+through each layer together, attention included (`pooled_attention`), with no Python loop over
+sequences and no host sync, so a decode step can be captured in a CUDA graph.
+
+The per-sequence path (`paged.forward_paged`) stays as the oracle this one is tested against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvrelay.layers.step_profile import StepProfiler
+from kvrelay.models.deepseek_v4.batch_meta import BatchMeta, StepIndex
+from kvrelay.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from kvrelay.models.deepseek_v4.pooled_attention import AttentionOps, pooled_attention
+
+
+@torch.no_grad()
+def forward_batched(
+    model: DeepseekV4ForCausalLM,
+    input_ids: torch.Tensor,
+    meta: BatchMeta,
+    pool,
+    sample_rows: torch.Tensor,
+    ops: AttentionOps,
+    experts_fn: Callable | None = None,
+    profile: StepProfiler | None = None,
+) -> torch.Tensor:
+    """input_ids [T] -> logits [len(sample_rows), V] in the model dtype. `experts_fn(x, weights,
+    idx, experts)` replaces the routed experts' torch forward (the fused kernel)."""
+    m = model.model
+    index = StepIndex(meta, m.config.sliding_window)
+    x = m.embed_tokens(input_ids)
+    streams = x[:, None, :].expand(-1, m.config.hc_mult, -1).contiguous()
+    for i, layer in enumerate(m.layers):
+
+        def attend(xn: torch.Tensor, i: int = i, layer=layer) -> torch.Tensor:
+            return pooled_attention(layer.self_attn, xn, i, meta, index, pool, ops)
+
+        streams = layer.run(streams, input_ids, attend, profile, experts_fn)
+    hidden = m.norm(m.hc_head(streams[sample_rows]))
+    return model.lm_head(hidden)

@@ -1,0 +1,108 @@
+"""DeepSeek-V4 attention of one layer over a varlen batch, reading and writing the paged pools
+directly: the batched form of `Attention.forward` (same projections, same roundings).
+
+Order within the layer: project; store every row's K = V in the window pool; run the
+compressors, which store the entries their rows complete; select compressed entries (all
+visible ones for HCA, the indexer's top-k for CSA); attend over [window ∪ entries] by pool
+row. Every token therefore sees exactly what the per-sequence reference shows it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvrelay.models.deepseek_v4.attention import Attention
+from kvrelay.models.deepseek_v4.batch_meta import BatchMeta, StepIndex
+from kvrelay.models.deepseek_v4.compressor import QUANT_FP4
+from kvrelay.models.deepseek_v4.norms import rms_normalize
+from kvrelay.models.deepseek_v4.pooled_compressor import compress_step
+from kvrelay.models.deepseek_v4.precision import wide
+from kvrelay.models.deepseek_v4.qat import fake_quant_fp4, fake_quant_fp8_ue8m0, hadamard
+from kvrelay.models.deepseek_v4.rope import apply_rope
+
+
+@dataclass(frozen=True)
+class AttentionOps:
+    """The two gather-heavy ops, torch references or Triton kernels with the same contract:
+    sparse_mqa(q, kv_a, idx_a, kv_b, idx_b, sinks, scale) -> [T, H, D];
+    indexer_topk(q, w, keys, key_scale, key_rows, seq, n_visible, topk) -> [T, K] entries."""
+
+    sparse_mqa: Callable
+    indexer_topk: Callable
+
+
+def pooled_attention(
+    attn: Attention,
+    x: torch.Tensor,
+    layer: int,
+    meta: BatchMeta,
+    index: StepIndex,
+    pool,
+    ops: AttentionOps,
+) -> torch.Tensor:
+    """x: [T, hidden] normed inputs of every row -> [T, hidden]."""
+    n, nh, hd = x.shape[0], attn.n_heads, attn.head_dim
+    cos, sin = attn.rope.cos_sin(meta.positions, x.dtype)
+    qr = attn.q_a_norm(attn.q_a_proj(x))
+    q = apply_rope(rms_normalize(attn.q_b_proj(qr).view(n, nh, hd), attn.eps), cos, sin)
+    kv = apply_rope(attn.kv_norm(attn.kv_proj(x)), cos, sin)
+    if attn.qat:  # the cache holds the nope dims in FP8, the RoPE dims in bf16
+        kv = torch.cat(
+            (fake_quant_fp8_ue8m0(kv[:, : attn.nope_dim], 64), kv[:, attn.nope_dim :]), 1
+        )
+
+    swa = pool.swa[layer].flatten(0, 1)
+    swa.index_copy_(0, index.swa_rows(), kv.to(swa.dtype))
+    win_idx = index.window_idx()
+    if attn.compressor is None:
+        o = ops.sparse_mqa(q, swa, win_idx, None, None, attn.sinks, hd**-0.5)
+    else:
+        comp = attn.compressor
+        r = comp.ratio
+        entries = pool.entries[layer].flatten(0, 1)
+
+        def store_entries(rows: torch.Tensor, e: torch.Tensor) -> None:
+            entries.index_copy_(0, rows, e.to(entries.dtype))
+
+        _compress(comp, x, meta, index, pool.comp_slots[layer], store_entries)
+        if attn.indexer is not None:
+            _compress(
+                attn.indexer, x, meta, index, pool.index_slots[layer],
+                lambda rows, e: pool.store_index_k(layer, rows, e),
+            )  # fmt: skip
+            cmp_idx = _select(attn, x, qr, cos, sin, meta, index, pool, layer, ops)
+        else:  # HCA: every complete window is visible
+            cmp_idx = index.all_entries_idx(r)
+        o = ops.sparse_mqa(q, swa, win_idx, entries, cmp_idx, attn.sinks, hd**-0.5)
+    o = apply_rope(o, cos, sin, inverse=True)
+    o = attn.o_a_proj(o.reshape(n, attn.o_groups, -1)).flatten(1)
+    return attn.o_b_proj(o)
+
+
+def _compress(comp, x, meta: BatchMeta, index: StepIndex, slots, store) -> None:
+    r = comp.ratio
+    rows = index.entry_rows_of
+    compress_step(
+        comp, x, meta, slots.pending_kv, slots.pending_score, slots.prev_kv, slots.prev_score,
+        lambda seq, e: rows(r, seq, e), store,
+    )  # fmt: skip
+
+
+def _select(attn, x, qr, cos, sin, meta, index: StepIndex, pool, layer: int, ops) -> torch.Tensor:
+    """[T, K] pool rows of the indexer's top-k entries (-1 where fewer are visible)."""
+    ix = attn.indexer
+    h, d, r = ix.n_heads, ix.dim, ix.ratio
+    q = apply_rope(ix.q_b_proj(qr).view(-1, h, d), cos, sin)
+    if ix.quant == QUANT_FP4:
+        q = fake_quant_fp4(hadamard(q), 32)
+    xw = wide(x)
+    w = F.linear(xw, ix.scorer.weights_proj.weight.to(xw.dtype)) * (d**-0.5 * h**-0.5)
+    keys, scale = pool.index_k_rows(layer)
+    rows = index.entry_rows(r)
+    chosen = ops.indexer_topk(q, w, keys, scale, rows, meta.seq, index.visible(r), attn.index_topk)
+    picked = rows[meta.seq[:, None], chosen.clamp(min=0)]
+    return torch.where(chosen >= 0, picked, -1)
