@@ -71,7 +71,7 @@ class Dsv4GraphRunner:
         r = self.runner
         return forward_batched(
             r.model, self.input_ids[:bs], self._meta(bs, ctx), r.cache, self.rows[:bs],
-            r.ops, r.experts_fn,
+            r.ops, r.kernels,
         )  # fmt: skip
 
     def _pad(self, lo: int, hi: int) -> None:

@@ -18,6 +18,7 @@ from kvrelay.layers.step_profile import StepProfiler
 from kvrelay.models.deepseek_v4.batch_meta import build_meta
 from kvrelay.models.deepseek_v4.batched import forward_batched
 from kvrelay.models.deepseek_v4.config import CSA, HCA
+from kvrelay.models.deepseek_v4.layer import LayerKernels
 from kvrelay.models.deepseek_v4.paged import PagedSequence, forward_paged
 from kvrelay.models.deepseek_v4.pooled_attention import AttentionOps
 from kvrelay.weights.loader import ModelSource, build_model
@@ -46,13 +47,13 @@ class DeepseekV4Runner:
         self.ratios = tuple(
             sorted({c.compress_ratio(i) for i, t in enumerate(c.layer_types) if t in (CSA, HCA)})
         )
-        self.ops, self.experts_fn = _pick_ops(cfg.attention_backend, self.device)
+        self.ops, self.kernels = _pick_ops(cfg.attention_backend, self.device)
         # Admission keeps running requests <= max_running_requests, so a slot is always free.
         self.state_slots = PageAllocator(num_slots)
         pool_tokens = (num_pages - 1) * self.page_size
         self.max_model_len = min(cfg.max_model_len or c.max_position_embeddings, pool_tokens)
         self.graphs = None
-        if self.device.type == "cuda" and cfg.cuda_graphs and self.experts_fn is not None:
+        if self.device.type == "cuda" and cfg.cuda_graphs and self.kernels is not None:
             from kvrelay.engine.dsv4_graphs import Dsv4GraphRunner
 
             self.graphs = Dsv4GraphRunner(self, cfg.max_cuda_graph_batch, self.max_model_len)
@@ -139,7 +140,7 @@ class DeepseekV4Runner:
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         rows_t = torch.tensor(sample_rows, dtype=torch.long).to(self.device, non_blocking=True)
         logits = forward_batched(
-            self.model, input_ids, meta, self.cache, rows_t, self.ops, self.experts_fn, profile
+            self.model, input_ids, meta, self.cache, rows_t, self.ops, self.kernels, profile
         )
         return logits.float()
 
@@ -176,15 +177,16 @@ class DeepseekV4Runner:
         return logits.float()
 
 
-def _pick_ops(backend: str, device: torch.device) -> tuple[AttentionOps, object]:
+def _pick_ops(backend: str, device: torch.device) -> tuple[AttentionOps, LayerKernels | None]:
     """Torch references (CPU, `torch`), or the Triton kernels (`triton`; auto on the GPU)."""
     from kvrelay.kernels.indexer_reference import indexer_topk_reference
     from kvrelay.models.deepseek_v4.sparse_attention import sparse_mqa_reference
 
     if backend == "triton" or (backend == "auto" and device.type == "cuda"):
         from kvrelay.kernels.triton_indexer import indexer_topk
+        from kvrelay.kernels.triton_mhc import hc_gates
         from kvrelay.kernels.triton_moe import fused_experts
         from kvrelay.kernels.triton_sparse_attention import sparse_mqa
 
-        return AttentionOps(sparse_mqa, indexer_topk), fused_experts
+        return AttentionOps(sparse_mqa, indexer_topk), LayerKernels(fused_experts, hc_gates)
     return AttentionOps(sparse_mqa_reference, indexer_topk_reference), None

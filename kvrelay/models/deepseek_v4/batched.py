@@ -7,12 +7,11 @@ The per-sequence path (`paged.forward_paged`) stays as the oracle this one is te
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from kvrelay.layers.step_profile import StepProfiler
 from kvrelay.models.deepseek_v4.batch_meta import BatchMeta, StepIndex
+from kvrelay.models.deepseek_v4.layer import LayerKernels
 from kvrelay.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from kvrelay.models.deepseek_v4.pooled_attention import AttentionOps, pooled_attention
 
@@ -25,11 +24,11 @@ def forward_batched(
     pool,
     sample_rows: torch.Tensor,
     ops: AttentionOps,
-    experts_fn: Callable | None = None,
+    kernels: LayerKernels | None = None,
     profile: StepProfiler | None = None,
 ) -> torch.Tensor:
-    """input_ids [T] -> logits [len(sample_rows), V] in the model dtype. `experts_fn(x, weights,
-    idx, experts)` replaces the routed experts' torch forward (the fused kernel)."""
+    """input_ids [T] -> logits [len(sample_rows), V] in the model dtype. `kernels` are the fused
+    replacements of the blocks' torch ops (None: torch)."""
     m = model.model
     index = StepIndex(meta, m.config.sliding_window)
     x = m.embed_tokens(input_ids)
@@ -39,6 +38,6 @@ def forward_batched(
         def attend(xn: torch.Tensor, i: int = i, layer=layer) -> torch.Tensor:
             return pooled_attention(layer.self_attn, xn, i, meta, index, pool, ops)
 
-        streams = layer.run(streams, input_ids, attend, profile, experts_fn)
+        streams = layer.run(streams, input_ids, attend, profile, kernels)
     hidden = m.norm(m.hc_head(streams[sample_rows]))
     return model.lm_head(hidden)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -14,6 +15,15 @@ from kvrelay.models.deepseek_v4.mhc import HyperConnection
 from kvrelay.models.deepseek_v4.moe import MoE
 from kvrelay.models.deepseek_v4.norms import RMSNorm
 from kvrelay.models.deepseek_v4.state import LayerState
+
+
+@dataclass(frozen=True)
+class LayerKernels:
+    """Fused replacements for torch ops of a block (None: the torch reference):
+    experts(x, weights, idx, experts) -> routed output; hc_gates: see HyperConnection."""
+
+    experts: Callable | None = None
+    hc_gates: Callable | None = None
 
 
 class DecoderLayer(nn.Module):
@@ -56,19 +66,20 @@ class DecoderLayer(nn.Module):
         input_ids: torch.Tensor,
         attend: Callable[[torch.Tensor], torch.Tensor],
         profile: StepProfiler | None = None,
-        experts_fn: Callable | None = None,
+        kernels: LayerKernels | None = None,
     ) -> torch.Tensor:
         """The block around an attention callback: `attend` maps the normed inputs of all rows
         to their attention outputs (one sequence here; a batch of them in the paged engine).
-        `profile` (a profiled engine step) times attention and MoE; `experts_fn` replaces the
-        routed experts' torch forward (see MoE.forward)."""
-        h, post, comb = self.attn_hc(streams)
+        `profile` (a profiled engine step) times attention and MoE; `kernels` replace torch ops
+        with fused kernels (the fast path)."""
+        k = kernels or LayerKernels()
+        h, post, comb = self.attn_hc(streams, k.hc_gates)
         h = self.input_layernorm(h)
         with timed(profile, ATTENTION):
             h = attend(h)
         streams = HyperConnection.merge(h, streams, post, comb)
-        h, post, comb = self.ffn_hc(streams)
+        h, post, comb = self.ffn_hc(streams, k.hc_gates)
         h = self.post_attention_layernorm(h)
         with timed(profile, MOE):
-            out = self.mlp(h, input_ids, experts_fn)
+            out = self.mlp(h, input_ids, k.experts)
         return HyperConnection.merge(out, streams, post, comb)

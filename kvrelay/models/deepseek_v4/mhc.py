@@ -3,6 +3,8 @@ the Sinkhorn projection of their mixing matrix, and the final stream collapse (h
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,17 +49,29 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=wdt))
         self.scale = nn.Parameter(torch.ones(3, dtype=wdt))
 
-    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [T, n, D] -> (sub-layer input [T, D], post [T, n], comb [T, n, n])."""
-        n = self.hc_mult
+    def forward(
+        self, streams: torch.Tensor, gates_fn: Callable | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [T, n, D] -> (sub-layer input [T, D], post [T, n], comb [T, n, n]).
+        `gates_fn(mix, scale, base, n, iters, eps)` replaces `gates` (the fused kernel)."""
         mix = _stream_mix(streams, self.fn, self.norm_eps)
+        if gates_fn is not None and mix.dtype == torch.float32:
+            pre, post, comb = gates_fn(
+                mix, self.scale, self.base, self.hc_mult, self.iters, self.hc_eps
+            )
+        else:
+            pre, post, comb = self.gates(mix)
+        collapsed = (pre[..., None] * wide(streams)).sum(dim=1).to(streams.dtype)
+        return collapsed, post, comb
+
+    def gates(self, mix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stream-mix projection [T, (2+n)*n] -> pre [T, n], post [T, n], comb [T, n, n]."""
+        n = self.hc_mult
         base, scale = self.base.to(mix.dtype), self.scale.to(mix.dtype)
         pre = torch.sigmoid(mix[:, :n] * scale[0] + base[:n]) + self.hc_eps
         post = 2 * torch.sigmoid(mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
         comb_logits = (mix[:, 2 * n :] * scale[2] + base[2 * n :]).unflatten(-1, (n, n))
-        comb = sinkhorn(comb_logits, self.iters, self.hc_eps)
-        collapsed = (pre[..., None] * wide(streams)).sum(dim=1).to(streams.dtype)
-        return collapsed, post, comb
+        return pre, post, sinkhorn(comb_logits, self.iters, self.hc_eps)
 
     @staticmethod
     def merge(

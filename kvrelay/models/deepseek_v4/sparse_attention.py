@@ -46,7 +46,9 @@ def sparse_mqa_reference(
         qb = wide(q[b : b + _QUERY_BLOCK]).to(wdt)
         ib = [i[b : b + _QUERY_BLOCK] for _, i in sources]
         valid = torch.cat([i >= 0 for i in ib], dim=1)
-        g = torch.cat([kv[i.clamp(min=0)] for (kv, _), i in zip(sources, ib, strict=True)], dim=1).to(wdt)
+        g = torch.cat(
+            [kv[i.clamp(min=0)] for (kv, _), i in zip(sources, ib, strict=True)], dim=1
+        ).to(wdt)
         logits = torch.einsum("nhd,nkd->nhk", qb, g) * scale
         logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
         m = torch.maximum(logits.amax(dim=-1), sink[None, :])  # [nb, H]

@@ -1,0 +1,261 @@
+"""DeepSeek-V4 decode step time: the fast path (batched forward, Triton kernels, CUDA graphs)
+against the per-sequence reference path, at several batch sizes and contexts, with the bytes a
+step must move and its fraction of the measured copy bandwidth; plus prefill tokens/s.
+
+Decode steps run on requests whose caches are filled with random values rather than prefilled
+(a 256 x 32k prefill would take the whole lease): step time depends on shapes, not on values.
+Where the pool cannot hold batch x context distinct tokens, requests share pages (marked
+`shared_pages`: their reads may hit L2, so those times flatter).
+
+    python benchmarks/dsv4_decode.py --out bench-results/dsv4_decode.json
+CPU dry run: python benchmarks/dsv4_decode.py --model dsv4-tiny --device cpu --batches 1,2 \
+                 --contexts 64 --steps 2 --reference-batches 1 --prefill 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import time
+
+import torch
+
+from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvrelay.engine.engine import Engine
+from kvrelay.engine.messages import SamplingParams
+from kvrelay.engine.request import Request
+from kvrelay.engine.scheduler import ScheduledRequest
+from kvrelay.models.deepseek_v4.config import CSA, HCA
+from kvrelay.weights.loader import resolve
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s of a 2 GiB device copy (read + write counted)."""
+    if device != "cuda":
+        return float("nan")
+    a = torch.empty(1 << 30, dtype=torch.float16, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    sync(device)
+    return 2 * a.numel() * 2 * 10 / (time.perf_counter() - t)
+
+
+def step_bytes(cfg, batch: int, ctx: int, weights: dict) -> float:
+    """Bytes a decode step must move: attention/shared/other weights once, the routed experts
+    a uniformly routed batch touches, and each sequence's cache reads."""
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    distinct = e * (1 - (1 - k / e) ** batch)
+    total = weights["dense"] + len(cfg.layer_types) * distinct * weights["expert"]
+    d, di = cfg.head_dim, cfg.index_head_dim
+    per_seq = 0
+    for t in cfg.layer_types:
+        per_seq += cfg.sliding_window * d * 2
+        if t == CSA:
+            per_seq += min(cfg.index_topk, ctx // 4) * d * 2 + ctx // 4 * di * 2
+        elif t == HCA:
+            per_seq += ctx // cfg.hca_compress_ratio * d * 2
+    return total + batch * per_seq
+
+
+def weight_bytes(model) -> dict:
+    expert, dense = 0, 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if ".mtp." in name:
+            continue
+        if ".experts." in name:
+            expert += t.numel() * t.element_size()
+        else:
+            dense += t.numel() * t.element_size()
+    n_layers = len(model.model.layers)
+    return {"dense": dense, "expert": expert / n_layers / model.config.n_routed_experts}
+
+
+def make_engine(a: argparse.Namespace, backend: str) -> Engine:
+    src = resolve(a.model, "dummy")
+    cfg = EngineConfig(
+        model=a.model,
+        load_format="dummy",
+        device=a.device,
+        dtype=a.dtype,
+        attention_backend=backend,
+        max_model_len=max(a.contexts) + 64,
+        cache=CacheConfig(memory_fraction=0.9),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=a.prefill, max_running_requests=max(a.batches) + 1
+        ),
+    )
+    return Engine(cfg, src)
+
+
+def fake_requests(engine: Engine, batch: int, ctx: int) -> tuple[list[Request], bool]:
+    """`batch` requests with `ctx` cached tokens each: pages (shared when the pool is short),
+    a state slot each, random token ids."""
+    r = engine.runner
+    n_pages = -(-(ctx + 1) // r.page_size)
+    shared = n_pages * batch > r.allocator.num_free
+    common = r.allocator.alloc(n_pages) if shared else None
+    reqs = []
+    for b in range(batch):
+        ids = torch.randint(0, r.model_cfg.vocab_size, (ctx + 1,)).tolist()
+        req = Request(f"bench-{b}", ids, SamplingParams(max_tokens=1), 0)
+        req.pages = list(common) if shared else r.allocator.alloc(n_pages)
+        req.state_slot = r.state_slots.alloc(1)[0]
+        req.num_computed = ctx
+        reqs.append(req)
+    return reqs, shared
+
+
+def release(engine: Engine, reqs: list[Request], shared: bool) -> None:
+    r = engine.runner
+    if shared:
+        r.allocator.free(reqs[0].pages)
+    for q in reqs:
+        if not shared:
+            r.allocator.free(q.pages)
+        r.state_slots.free([q.state_slot])
+
+
+def randomize_pools(engine: Engine) -> None:
+    for t in engine.runner.cache.kinds.values():
+        if t.is_floating_point() and t.element_size() > 1:
+            t.normal_()
+        else:
+            t.view(torch.uint8).random_(0, 120)  # fp8: finite codes
+
+
+def time_decode(engine: Engine, batch: int, ctx: int, steps: int, device: str) -> dict:
+    reqs, shared = fake_requests(engine, batch, ctx)
+    sched = [ScheduledRequest(q, 1) for q in reqs]
+    engine.runner.forward(sched)  # graph capture / warm-up
+    times = []
+    for _ in range(steps):
+        sync(device)
+        t = time.perf_counter()
+        engine.runner.forward(sched)
+        sync(device)
+        times.append((time.perf_counter() - t) * 1e3)
+    release(engine, reqs, shared)
+    return {"step_ms": statistics.median(times), "shared_pages": shared}
+
+
+def time_prefill(engine: Engine, n: int, device: str) -> float:
+    r = engine.runner
+    ids = torch.randint(0, r.model_cfg.vocab_size, (n,)).tolist()
+    req = Request("prefill", ids, SamplingParams(max_tokens=1), 0)
+    req.pages = r.allocator.alloc(-(-n // r.page_size))
+    req.state_slot = r.state_slots.alloc(1)[0]
+    r.forward([ScheduledRequest(req, n)])  # warm-up
+    sync(device)
+    t = time.perf_counter()
+    r.forward([ScheduledRequest(req, n)])
+    sync(device)
+    dt = time.perf_counter() - t
+    r.allocator.free(req.pages)
+    r.state_slots.free([req.state_slot])
+    return n / dt
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="dsv4-mini")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batches", default="1,8,32,64,128,256")
+    p.add_argument("--contexts", default="4096,32768")
+    p.add_argument("--reference-batches", default="1,8")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--prefill", type=int, default=4096)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    a.batches = [int(x) for x in a.batches.split(",")]
+    a.contexts = [int(x) for x in a.contexts.split(",")]
+    ref_batches = [int(x) for x in a.reference_batches.split(",") if x]
+
+    engine = make_engine(a, "auto")
+    randomize_pools(engine)
+    cfg = engine.runner.model_cfg
+    bw = copy_bandwidth(a.device)
+    wb = weight_bytes(engine.runner.model)
+    rows = []
+    for ctx in a.contexts:
+        for b in a.batches:
+            res = time_decode(engine, b, ctx, a.steps, a.device)
+            need = step_bytes(cfg, b, ctx, wb)
+            res.update(path="fast", batch=b, context=ctx, bytes=need)
+            res["floor_ms"] = need / bw * 1e3
+            res["x_floor"] = res["step_ms"] / res["floor_ms"]
+            rows.append(res)
+            print(json.dumps(res), flush=True)
+    prefill = {"tokens": a.prefill, "fast_tok_s": time_prefill(engine, a.prefill, a.device)}
+    # the reference path on the same weights and pools
+    engine.runner.reference, engine.runner.graphs = True, None
+    for b in ref_batches:
+        res = time_decode(engine, b, a.contexts[0], max(2, a.steps // 5), a.device)
+        res.update(path="reference", batch=b, context=a.contexts[0])
+        rows.append(res)
+        print(json.dumps(res), flush=True)
+    out = {
+        "model": a.model,
+        "dtype": a.dtype,
+        "copy_bandwidth_Bps": bw,
+        "weights": wb,
+        "decode": rows,
+        "prefill": prefill,
+        "env": env_info(),
+    }
+    print_table(out)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+def env_info() -> dict:
+    info = {
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        q = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        info["driver"] = subprocess.run(q, capture_output=True, text=True).stdout.strip()
+    q = ["git", "rev-parse", "HEAD"]
+    info["commit"] = subprocess.run(q, capture_output=True, text=True).stdout.strip()
+    return info
+
+
+def print_table(out: dict) -> None:
+    print(f"\n{'path':9} {'batch':>5} {'ctx':>6} {'step ms':>9} {'floor ms':>9} {'x floor':>8}")
+    for r in out["decode"]:
+        fl = r.get("floor_ms", float("nan"))
+        xf = r.get("x_floor", float("nan"))
+        flag = " shared" if r["shared_pages"] else ""
+        print(
+            f"{r['path']:9} {r['batch']:>5} {r['context']:>6} {r['step_ms']:>9.2f} "
+            f"{fl:>9.2f} {xf:>8.2f}{flag}"
+        )
+    print(f"prefill {out['prefill']['tokens']} tokens: {out['prefill']['fast_tok_s']:.0f} tok/s")
+
+
+if __name__ == "__main__":
+    main()
