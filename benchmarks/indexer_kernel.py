@@ -10,7 +10,7 @@ against 4.2 TB/s; and the torch reference (eager) at T = 1 and 64. Before timing
 result is checked against the reference (exact-integer inputs, so the sets must be equal).
 
     python benchmarks/indexer_kernel.py [--out benchmarks/results/indexer_kernel.json]
-    python benchmarks/indexer_kernel.py --sweep   # also time score-kernel configs
+    python benchmarks/indexer_kernel.py --sweep   # also time score- and select-kernel configs
 """
 
 from __future__ import annotations
@@ -32,7 +32,14 @@ SWEEP = [
     for bn in (32, 64, 128)
     for a in (True, False)
     for nw in (4, 8)
-    for ns in (2, 3, 4)
+    for ns in (2, 3)
+]
+
+SELECT_SWEEP = [
+    {"BLOCK": b, "RADIX_BITS": r, "num_warps": nw}
+    for b in (1024, 2048, 4096)
+    for r in (4, 8)
+    for nw in (4, 8, 16)
 ]
 
 
@@ -43,7 +50,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--entries", default="1024,8192", help="visible entries N per sequence")
     p.add_argument("--keys", default="bf16,fp8", help="index-key formats")
     p.add_argument("--reference-tokens", default="1,64", help="T at which to time the reference")
-    p.add_argument("--sweep", action="store_true", help="time score-kernel configs too")
+    p.add_argument("--sweep", action="store_true", help="time kernel configs too")
     return p.parse_args(argv)
 
 
@@ -137,28 +144,42 @@ def bench_case(t_count: int, n: int, fp8: bool, ref_tokens: set[int]) -> dict:
     return res
 
 
-def sweep_case(t_count: int, n: int, fp8: bool) -> dict:
+def _sweep(fn, configs: list[dict]) -> tuple[dict | None, list[dict]]:
     from triton.testing import do_bench
 
-    from kvrelay.kernels import triton_indexer as ti
-
-    x = _inputs(t_count, n, fp8)
-    args = [x[a] for a in ARGS]
-    scores = torch.empty(t_count, n, dtype=torch.float32, device="cuda")
     rows = []
-    for cfg in SWEEP:
+    for cfg in configs:
         try:
-            ms = do_bench(
-                lambda cfg=cfg: ti._launch_scores(*args, scores, cfg), return_mode="median"
-            )
+            ms = do_bench(lambda cfg=cfg: fn(cfg), return_mode="median")
         except Exception as e:  # a config that does not compile (shared memory, registers)
             rows.append({**cfg, "error": type(e).__name__})
             continue
         rows.append({**cfg, "us": ms * 1e3})
     ok = [r for r in rows if "us" in r]
-    best = min(ok, key=lambda r: r["us"]) if ok else None
+    return (min(ok, key=lambda r: r["us"]) if ok else None), rows
+
+
+def sweep_case(t_count: int, n: int, fp8: bool) -> dict:
+    """Eager medians of every score-kernel config, and of every select-kernel config on the
+    same row length (the select checked against the default config's output first)."""
+    from kvrelay.kernels import triton_indexer as ti
+
+    x = _inputs(t_count, n, fp8)
+    args = [x[a] for a in ARGS]
+    scores = torch.empty(t_count, n, dtype=torch.float32, device="cuda")
+    best, rows = _sweep(lambda cfg: ti._launch_scores(*args, scores, cfg), SWEEP)
+    ti._launch_scores(*args, scores, None)
+    want = ti.topk_select(scores, x["n_visible"], TOPK).sort(dim=1).values
+    out = torch.empty_like(want)
+    for cfg in SELECT_SWEEP:
+        ti._launch_select(scores, x["n_visible"], TOPK, out, cfg)
+        if not torch.equal(out.sort(dim=1).values, want):
+            raise AssertionError(f"select config {cfg} chose another set")
+    sel_best, sel_rows = _sweep(
+        lambda cfg: ti._launch_select(scores, x["n_visible"], TOPK, out, cfg), SELECT_SWEEP
+    )
     return {"tokens": t_count, "entries": n, "keys": "fp8" if fp8 else "bf16", "best": best,
-            "configs": rows}  # fmt: skip
+            "configs": rows, "select_best": sel_best, "select_configs": sel_rows}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['total_torch_select_us']:>9.1f} {r['scores_gbps']:>6.0f} "
               f"{100 * r['scores_frac_peak']:>5.0f} {ref}")  # fmt: skip
     for s in sweeps:
-        b = s["best"]
-        print(f"sweep {s['keys']} N={s['entries']} T={s['tokens']}: best {b}")
+        print(f"sweep {s['keys']} N={s['entries']} T={s['tokens']}: scores best {s['best']}")
+        print(f"{'':>6}select best {s['select_best']}")
     result = {
         "benchmark": "indexer_kernel",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

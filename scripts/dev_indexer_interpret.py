@@ -5,6 +5,11 @@ reference (small shapes; the interpreter is slow). Not a CI test: run it by hand
 
 The interpreter runs bf16 dots on raw bits and rounds fp32 -> bf16 by truncation (Triton 3.6),
 so q here is fp32 or fp16; bf16 is covered by tests/gpu/test_triton_indexer.py.
+
+    .venv/bin/python scripts/dev_indexer_interpret.py --compile
+
+compiles the kernels for sm_90 without a GPU instead (Triton's bundled ptxas) and prints each
+variant's registers, stack (spills), shared memory and Hopper MMA count (HGMMA in the SASS).
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ from kvrelay.kernels.indexer_reference import (
 )
 
 FP8 = torch.float8_e4m3fn
+SELECT_CONFIGS = [
+    {"BLOCK": 256, "RADIX_BITS": 4, "num_warps": 4},
+    {"BLOCK": 1024, "RADIX_BITS": 8, "num_warps": 4},
+]
 CONFIGS = [
     {"BLOCK_N": 32, "KEYS_AS_A": False, "num_warps": 4, "num_stages": 2, "TILES": 3},
     {"BLOCK_N": 128, "KEYS_AS_A": True, "num_warps": 8, "num_stages": 2, "TILES": 1},
@@ -199,6 +208,10 @@ def check_select(gen: torch.Generator, t_count: int, n_cols: int, topk: int) -> 
     junk = torch.where(torch.arange(n_cols)[None, :] >= n_vis[:, None], float("nan"), s)
     got = ti.topk_select(junk, n_vis, topk)
     assert same_sets(got, ref), f"select {t_count}x{n_cols} k={topk}:\n{got}\n{ref}"
+    for cfg in SELECT_CONFIGS:  # other digit widths and chunk sizes: the same sets
+        out = torch.full_like(ref, -7)
+        ti._launch_select(junk, n_vis, ref.shape[1], out, cfg)
+        assert same_sets(out, ref), f"select {t_count}x{n_cols} k={topk} {cfg}"
     assert torch.equal(ti.topk_select_torch(junk, n_vis, topk), ref)
     print(f"ok select T={t_count} N={n_cols} topk={topk}", flush=True)
 
@@ -233,10 +246,83 @@ def _patch_interpreter_for_numpy_2_4() -> None:
     interp._patch_lang_tensor = patched
 
 
+def _sm90_report(fn, sig: dict[str, str], const: dict, divisible: list[str], opts: dict) -> str:
+    """Compile fn for sm_90 and summarize its cubin: REG, STACK, SHARED, HGMMA count."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(sig)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in divisible}
+    k = triton.compile(ASTSource(fn, sig, const, attrs), GPUTarget("cuda", 90, 32), opts)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True)
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
+    regs, stack = m.groups() if m else ("?", "?")
+    return f"regs={regs} stack={stack} shared={k.metadata.shared} HGMMA={sass.count('HGMMA')}"
+
+
+def compile_report() -> None:
+    """Every score-kernel variant the tests and the benchmark sweep use, and the select
+    kernels, compiled for sm_90."""
+    import triton
+
+    score_sig = {
+        **{a: "*i32" for a in ("q_ptr", "w_ptr", "k_ptr", "ks_ptr", "rows_ptr")},
+        **{"seq_ptr": "*i32", "nvis_ptr": "*i32", "s_ptr": "*fp32"},
+        **{a: "i32" for a in ("n_cols", "span", "stride_qt", "stride_qh", "stride_wt")},
+        **{a: "i32" for a in ("stride_km", "stride_rb", "stride_st")},
+        **{a: "constexpr" for a in ("H", "H_PAD", "D", "BLOCK_N", "FP8", "DOT_PREC")},
+        "KEYS_AS_A": "constexpr",
+    }
+    div = ["q_ptr", "w_ptr", "k_ptr", "ks_ptr", "rows_ptr", "seq_ptr", "nvis_ptr", "s_ptr"]
+    div += ["stride_qt", "stride_qh", "stride_km", "stride_rb", "stride_st"]
+    for qdt in ("bf16", "fp32"):
+        for fp8 in (False, True):
+            for h, d in ((4, 32), (16, 64), (64, 128)):
+                for cfg in [ti._score_config(h, d), *CONFIGS]:
+                    cfg = dict(cfg)
+                    cfg.pop("TILES", None)
+                    opts = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
+                    sig = dict(score_sig, q_ptr=f"*{qdt}", w_ptr="*fp32", ks_ptr="*fp32")
+                    sig["k_ptr"] = "*fp8e4nv" if fp8 else f"*{qdt}"
+                    const = {"H": h, "H_PAD": max(16, triton.next_power_of_2(h)), "D": d,
+                             "FP8": fp8, "DOT_PREC": "ieee" if qdt == "fp32" else "tf32", **cfg}  # fmt: skip
+                    rep = _sm90_report(ti._score_kernel, sig, const, div, opts)
+                    print(
+                        f"score {qdt} {'fp8' if fp8 else 'plain'} h={h} d={d} {cfg} {opts}: {rep}"
+                    )
+    sel_sig = {"s_ptr": "*fp32", "nvis_ptr": "*i32", "out_ptr": "*i64"}
+    sel_sig.update({a: "i32" for a in ("n_cols", "k", "stride_st", "stride_ot")})
+    sel_sig.update({a: "constexpr" for a in ("BLOCK", "K_BLOCK", "RADIX_BITS")})
+    for n_cols in (40, 1024, 4096, 16384):
+        for cfg in [ti._select_config(n_cols, 512), *SELECT_CONFIGS]:
+            cfg = dict(cfg)
+            opts = {"num_warps": cfg.pop("num_warps")}
+            const = {"K_BLOCK": 512, **cfg}
+            rep = _sm90_report(ti._select_kernel, sel_sig, const, ["s_ptr", "out_ptr"], opts)
+            print(f"select N={n_cols} {cfg} {opts}: {rep}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="skip the larger shapes")
+    p.add_argument("--compile", action="store_true", help="compile for sm_90 and report")
     args = p.parse_args()
+    if args.compile:
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            print("--compile needs TRITON_INTERPRET unset", file=sys.stderr)
+            return 1
+        compile_report()
+        return 0
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("set TRITON_INTERPRET=1", file=sys.stderr)
         return 1

@@ -11,10 +11,11 @@ Two launches per block of query rows:
    visible triangle).
 2. `_select_kernel`, one program per query row: each visible score becomes a 32-bit
    order-preserving key (+0.0 and -0.0 share one key, every NaN is above +inf, as torch.sort
-   orders them; -inf and invisible entries can never be chosen). Four 8-bit radix passes
-   (tl.histogram) find the K-th largest key `thr` and how many entries equal to it to take
-   (`need`); a last pass writes every entry with key > thr and the first `need` entries
-   with key == thr, lowest entry first, i.e. exactly the reference's set with its tie rule.
+   orders them; -inf and invisible entries can never be chosen). Radix passes over 8-bit
+   digits (RADIX_BITS; tl.histogram) find the K-th largest key `thr` and how many entries
+   equal to it to take (`need`); a last pass writes every entry with key > thr and the first
+   `need` entries with key == thr, lowest entry first, i.e. exactly the reference's set with
+   its tie rule.
 
 Output order: the chosen entry numbers in ASCENDING entry order, then -1s (the reference orders
 them by score). Downstream sparse attention only uses the set. `select="torch"` replaces step 2
@@ -124,24 +125,32 @@ def _order_key(s, ok):
 
 @_jit
 def _radix_pass(
-    row_ptr, n, prefix, rem, SHIFT: tl.constexpr, FIRST: tl.constexpr, BLOCK: tl.constexpr
+    row_ptr,
+    n,
+    prefix,
+    rem,
+    SHIFT: tl.constexpr,
+    FIRST: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    """One 8-bit digit of the radix select. Candidates: chosen-able keys whose bits above SHIFT + 8
-    equal prefix's; `rem` of them are still to be chosen. Returns the prefix extended by the digit
-    of the rem-th largest candidate, rem minus the candidates above that digit, and the number of
-    candidates."""
-    hist = tl.zeros([256], dtype=tl.int32)
+    """One BITS-wide digit (bits SHIFT .. SHIFT + BITS - 1) of the radix select. Candidates:
+    choosable keys whose bits above the digit equal prefix's; `rem` of them are still to be
+    chosen. Returns the prefix extended by the digit of the rem-th largest candidate, rem minus
+    the candidates above that digit, and the number of candidates."""
+    bins = tl.arange(0, 1 << BITS)
+    hist = tl.zeros([1 << BITS], dtype=tl.int32)
     for start in range(0, n, BLOCK):
         e = start + tl.arange(0, BLOCK)
         ok = e < n
         key = _order_key(tl.load(row_ptr + e, mask=ok, other=0.0), ok)
         m = key > 0
         if not FIRST:
-            m = m & ((key >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
-        hist += tl.histogram(((key >> SHIFT) & 255).to(tl.int32), 256, mask=m)
+            m = m & ((key >> (SHIFT + BITS)) == (prefix >> (SHIFT + BITS)))
+        digit = ((key >> SHIFT) & ((1 << BITS) - 1)).to(tl.int32)
+        hist += tl.histogram(digit, 1 << BITS, mask=m)
     total = tl.sum(hist, axis=0)
     ge = total - tl.cumsum(hist, axis=0) + hist  # candidates whose digit is >= the bin
-    bins = tl.arange(0, 256)
     pick = tl.max(tl.where(ge >= rem, bins, 0), axis=0)
     above = tl.sum(tl.where(bins > pick, hist, 0), axis=0)
     return prefix | (pick.to(tl.int64) << SHIFT), rem - above, total
@@ -158,15 +167,17 @@ def _select_kernel(
     stride_ot,
     BLOCK: tl.constexpr,
     K_BLOCK: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
 ):
     # One program: one query row. Entries e < min(n_visible, N) are read; the rest never are.
     t = tl.program_id(0).to(tl.int64)
     n = tl.maximum(tl.minimum(tl.load(nvis_ptr + t).to(tl.int32), n_cols), 0)
     row_ptr = s_ptr + t * stride_st
-    prefix, rem, valid = _radix_pass(row_ptr, n, 0, k, 24, True, BLOCK)
-    prefix, rem, _ = _radix_pass(row_ptr, n, prefix, rem, 16, False, BLOCK)
-    prefix, rem, _ = _radix_pass(row_ptr, n, prefix, rem, 8, False, BLOCK)
-    prefix, rem, _ = _radix_pass(row_ptr, n, prefix, rem, 0, False, BLOCK)
+    prefix, rem, valid = _radix_pass(row_ptr, n, 0, k, 32 - RADIX_BITS, True, RADIX_BITS, BLOCK)
+    for p in tl.static_range(2, 32 // RADIX_BITS + 1):
+        prefix, rem, _ = _radix_pass(
+            row_ptr, n, prefix, rem, 32 - RADIX_BITS * p, False, RADIX_BITS, BLOCK
+        )
     # At most k choosable entries: take them all (thr 0, none of the ties).
     take_all = valid <= k
     thr = tl.where(take_all, 0, prefix)
@@ -207,12 +218,9 @@ def _score_config(heads: int, head_dim: int) -> dict[str, int]:
 
 
 def _select_config(n_cols: int, k: int) -> dict[str, int]:
+    """Chunk, digit width and launch options of the select kernel (untuned first choice)."""
     block = min(4096, max(256, triton.next_power_of_2(n_cols)))
-    return {
-        "BLOCK": block,
-        "K_BLOCK": min(1024, triton.next_power_of_2(max(k, 1))),
-        "num_warps": 8 if block >= 2048 else 4,
-    }
+    return {"BLOCK": block, "RADIX_BITS": 8, "num_warps": max(4, block // 256)}
 
 
 def _check(
@@ -237,8 +245,8 @@ def _check(
         raise ValueError(f"keys {keys.dtype} must match q {q.dtype} (or be fp8 with a scale)")
     if key_scale is not None and (keys.dtype != _FP8 or key_scale.dtype != torch.float32):
         raise ValueError("a key_scale needs float8_e4m3fn keys and a float32 scale")
-    if q.stride(2) != 1 or w.shape != (t_count, h) or w.dtype != torch.float32 or w.stride(1) != 1:
-        raise ValueError("q needs a contiguous last dim; w must be [T, h] float32")
+    if w.shape != (t_count, h) or w.dtype != torch.float32:
+        raise ValueError(f"w must be [T, h] float32, got {tuple(w.shape)} {w.dtype}")
     if key_rows.dim() != 2 or seq_of_token.shape != (t_count,) or n_visible.shape != (t_count,):
         raise ValueError("key_rows must be [B, N]; seq_of_token and n_visible [T]")
 
@@ -276,11 +284,17 @@ def _launch_scores(
 
 
 def _launch_select(
-    scores: torch.Tensor, n_visible: torch.Tensor, k: int, out: torch.Tensor
+    scores: torch.Tensor,
+    n_visible: torch.Tensor,
+    k: int,
+    out: torch.Tensor,
+    config: dict[str, int] | None = None,
 ) -> None:
+    """out[t] = the chosen columns of scores[t] (e < n_visible[t]), then -1s."""
     _select_kernel[(scores.shape[0],)](
         scores, n_visible, out, scores.shape[1], k, scores.stride(0), out.stride(0),
-        **_select_config(scores.shape[1], k),
+        K_BLOCK=min(1024, triton.next_power_of_2(k)),
+        **(config or _select_config(scores.shape[1], k)),
     )  # fmt: skip
 
 
@@ -292,8 +306,8 @@ def _output(t_count: int, k: int, device: torch.device, out: torch.Tensor | None
     return out
 
 
-def _contiguous_rows(key_rows: torch.Tensor) -> torch.Tensor:
-    return key_rows if key_rows.stride(1) == 1 else key_rows.contiguous()
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def indexer_scores(
@@ -309,13 +323,17 @@ def indexer_scores(
     """[T, N] fp32 scores of the score kernel alone, -inf where e >= n_visible[t] (as
     indexer_scores_reference). For tests and benchmarks; indexer_topk does not call it."""
     _check(q, w, keys, key_scale, key_rows, seq_of_token, n_visible)
+    q, w, key_rows, seq_of_token, n_visible = map(
+        _last_dim_contiguous, (q, w, key_rows, seq_of_token, n_visible)
+    )
+    if key_scale is not None:
+        key_scale = _last_dim_contiguous(key_scale)
     scores = torch.full(
         (q.shape[0], key_rows.shape[1]), float("-inf"), dtype=torch.float32, device=q.device
     )
     if q.shape[0] and key_rows.shape[1]:
         _launch_scores(
-            q, w, keys, key_scale, _contiguous_rows(key_rows), seq_of_token, n_visible, scores,
-            config,
+            q, w, keys, key_scale, key_rows, seq_of_token, n_visible, scores, config
         )  # fmt: skip
     return scores
 
@@ -334,7 +352,7 @@ def topk_select(
     k = min(topk, n_cols)
     out = _output(t_count, k, scores.device, out)
     if t_count and k > 0:
-        _launch_select(scores, n_visible, k, out)
+        _launch_select(scores, _last_dim_contiguous(n_visible), k, out)
     return out
 
 
@@ -398,7 +416,11 @@ def indexer_topk(
     out = _output(t_count, k, q.device, out)
     if t_count == 0 or k <= 0:
         return out
-    key_rows = _contiguous_rows(key_rows)
+    q, w, key_rows, seq_of_token, n_visible = map(
+        _last_dim_contiguous, (q, w, key_rows, seq_of_token, n_visible)
+    )
+    if key_scale is not None:
+        key_scale = _last_dim_contiguous(key_scale)
     step = max(1, _SCRATCH_ELEMS // n_cols)
     scores = torch.empty(min(step, t_count), n_cols, dtype=torch.float32, device=q.device)
     for b in range(0, t_count, step):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvrelay.kernels import triton_indexer as ti
 from kvrelay.kernels.indexer_reference import (
     indexer_scores_reference,
     indexer_topk_reference,
@@ -261,6 +262,37 @@ def test_select_crafted_scores():
         got = topk_select(junk, n_vis.to(torch.int32), topk, out=out)
         assert bool(_same_sets(got, ref).all()), msg
         assert torch.equal(topk_select_torch(junk, n_vis, topk), ref), msg
+
+
+SCORE_CONFIGS = [
+    {"BLOCK_N": 32, "KEYS_AS_A": True, "num_warps": 4, "num_stages": 2},
+    {"BLOCK_N": 64, "KEYS_AS_A": False, "num_warps": 4, "num_stages": 3, "TILES": 3},
+    {"BLOCK_N": 128, "KEYS_AS_A": True, "num_warps": 8, "num_stages": 2, "TILES": 1},
+    {"BLOCK_N": 128, "KEYS_AS_A": False, "num_warps": 8, "num_stages": 2},
+]
+SELECT_CONFIGS = [
+    {"BLOCK": b, "RADIX_BITS": r, "num_warps": nw}
+    for b, nw in ((1024, 4), (2048, 8), (4096, 16))
+    for r in (4, 8)
+]
+
+
+@pytest.mark.parametrize("keys", ["bf16", "fp8-bf16"])
+def test_other_configs_same_result(keys):
+    """The configs benchmarks/indexer_kernel.py --sweep may pick: exact inputs give the same
+    scores bit for bit, and every select config the same sets."""
+    seed = _seed()
+    x = _batch(seed, [4096, 1500, 77, 3], [6, 4, 3, 3], 64, 128, torch.bfloat16,
+               keys.startswith("fp8"), "exact_zeros", 512, n_cols=4096)  # fmt: skip
+    args = [x[a] for a in ARGS]
+    want = indexer_scores(*args)
+    for cfg in SCORE_CONFIGS:
+        assert torch.equal(indexer_scores(*args, config=cfg), want), f"{cfg} seed={seed}"
+    ref = select_reference(want, 512)
+    for cfg in SELECT_CONFIGS:
+        out = torch.full_like(ref, POISON)
+        ti._launch_select(want, x["n_visible"], 512, out, cfg)
+        assert bool(_same_sets(out, ref).all()), f"{cfg} seed={seed}"
 
 
 @pytest.mark.parametrize("select", ["triton", "torch"])
