@@ -175,7 +175,8 @@ ENV_KNOBS: dict[str, EnvKnob] = {
             "KVRELAY_API_KEY",
             "",
             "API key of `serve` and `router` when --api-key is not given (clients send "
-            "`Authorization: Bearer KEY`; /health and /metrics stay open)",
+            "`Authorization: Bearer KEY`; /health and /metrics stay open); bench, verify, repro "
+            "and ab send it",
             secret=True,
         ),
         EnvKnob(
@@ -199,6 +200,13 @@ def env_snapshot() -> dict[str, str]:
     return {
         name: ("<set>" if k.get() else "") if k.secret else k.get() for name, k in ENV_KNOBS.items()
     }
+
+
+def api_key_headers() -> dict[str, str]:
+    """What a kvrelay client (bench, verify, repro, ab, the ledger) sends to a server or router:
+    the KVRELAY_API_KEY of its environment as a bearer token, when one is set."""
+    key = env("KVRELAY_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def env_help() -> str:

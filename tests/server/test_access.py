@@ -16,7 +16,8 @@ import openai
 import pytest
 from conftest import ServerProcess
 
-from kvrelay.config import ServerConfig, env_snapshot, redacted
+from kvrelay.config import ServerConfig, api_key_headers, env_snapshot, redacted
+from kvrelay.ledger.record import fetch_server_info
 
 KEY = "sk-access-test-0123456789"
 LIMIT = 64 << 10
@@ -89,6 +90,16 @@ def test_secrets_are_redacted_in_configs_and_env(monkeypatch):
     assert env_snapshot()["KVRELAY_PD_SECRET"] == ""
     cfg = replace(ServerConfig(), api_key="k")
     assert "'k'" not in repr(cfg) and redacted(asdict(cfg))["api_key"] == "<set>"
+
+
+def test_kvrelay_clients_send_the_key_from_the_environment(guarded, monkeypatch):
+    monkeypatch.setenv("KVRELAY_API_KEY", "")
+    assert api_key_headers() == {}
+    assert "error" in fetch_server_info(guarded.url)  # 401: the configuration stays unknown
+    monkeypatch.setenv("KVRELAY_API_KEY", KEY)
+    assert api_key_headers() == AUTH
+    info = fetch_server_info(guarded.url)
+    assert info["config"]["api_key"] == "<set>" and "error" not in info
 
 
 def _chunks(n: int, model: str = "smollm2"):
