@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from kvrelay.bench.cli import add_bench_parser
 from kvrelay.bench.repro import add_repro_parser
@@ -15,6 +16,7 @@ from kvrelay.config import (
     RouterConfig,
     SchedulerConfig,
     ServerConfig,
+    env,
     env_help,
 )
 from kvrelay.ops.cli import add_up_parser
@@ -170,6 +172,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=x.heartbeat_timeout_s,
         help="seconds of silence after which a PD peer is dropped and its transfers fail",
     )
+    add_pd_secret_args(g)
     g.add_argument(
         "--test-corrupt-transfer",
         type=float,
@@ -187,6 +190,58 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="TEST ONLY (prefill): send every KV piece and first token SECONDS late",
     )
+
+
+def add_pd_secret_args(g) -> None:
+    g.add_argument(
+        "--pd-secret",
+        default=None,
+        metavar="SECRET",
+        help="the secret the PD servers and the router share: transfer peers prove it to each "
+        "other, and a server takes PD routing fields only from a request signed with it "
+        "(default: KVRELAY_PD_SECRET; a command line is visible to other local users, so "
+        "prefer --pd-secret-file or the environment)",
+    )
+    g.add_argument(
+        "--pd-secret-file",
+        default=None,
+        metavar="PATH",
+        help="read the PD secret from this file (surrounding whitespace is dropped)",
+    )
+
+
+def add_http_args(p: argparse.ArgumentParser, max_body_bytes: int, key_note: str = "") -> None:
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on every route but /health and /metrics "
+        f"(default: KVRELAY_API_KEY; unset: no key){key_note}",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=max_body_bytes,
+        help="larger request bodies get 413, chunked ones too",
+    )
+
+
+def pd_secret(a: argparse.Namespace) -> str:
+    """--pd-secret, else --pd-secret-file, else KVRELAY_PD_SECRET ("" when none is given)."""
+    if a.pd_secret is not None and a.pd_secret_file is not None:
+        raise SystemExit("give --pd-secret or --pd-secret-file, not both")
+    if a.pd_secret_file is not None:
+        try:
+            secret = Path(a.pd_secret_file).read_text().strip()
+        except OSError as e:
+            raise SystemExit(f"cannot read --pd-secret-file: {e}") from None
+        if not secret:
+            raise SystemExit(f"--pd-secret-file {a.pd_secret_file} is empty")
+        return secret
+    return a.pd_secret if a.pd_secret is not None else env("KVRELAY_PD_SECRET")
+
+
+def api_key(a: argparse.Namespace) -> str:
+    return a.api_key if a.api_key is not None else env("KVRELAY_API_KEY")
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -233,6 +288,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
             heartbeat_timeout_s=a.transfer_heartbeat_timeout,
             test_corrupt_p=a.test_corrupt_transfer,
             test_delay_transfer_s=a.test_delay_transfer,
+            pd_secret=pd_secret(a),
         ),
     )
 
@@ -248,14 +304,17 @@ def cmd_serve(a: argparse.Namespace) -> int:
         host=a.host,
         port=a.port,
         served_model_name=a.served_model_name,
+        max_body_bytes=a.max_body_bytes,
         max_n=1,
+        api_key=api_key(a),
         engine=engine_config(a),
     )
 
     def ready(state) -> None:
         url = f"http://{a.host}:{a.port}"
+        auth = '-H "Authorization: Bearer $KVRELAY_API_KEY" ' if cfg.api_key else ""
         example = (
-            f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"curl {url}/v1/chat/completions {auth}-H 'Content-Type: application/json' "
             f'-d \'{{"model": "{state.model_name}", "messages": [{{"role": "user", '
             f'"content": "Hello!"}}], "max_tokens": 32}}\''
         )
@@ -280,6 +339,9 @@ def cmd_router(a: argparse.Namespace) -> int:
         max_attempts=a.max_attempts,
         request_timeout_s=a.request_timeout,
         connect_timeout_s=a.connect_timeout,
+        max_body_bytes=a.max_body_bytes,
+        api_key=api_key(a),
+        pd_secret=pd_secret(a),
     )
 
     def ready() -> None:
@@ -311,10 +373,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None)
+    add_http_args(s, ServerConfig().max_body_bytes)
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
     r = sub.add_parser(
-        "router", help="OpenAI-compatible front of prefill/decode servers (PD disaggregation)"
+        "router",
+        help="OpenAI-compatible front of prefill/decode servers (PD disaggregation)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="environment knobs:\n" + env_help(),
     )
     rc = RouterConfig()
     r.add_argument("--host", default=rc.host, help="address the router listens on")
@@ -339,6 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=rc.connect_timeout_s,
         help="seconds to reach a server",
     )
+    add_http_args(r, rc.max_body_bytes, " (the router sends it to the servers too)")
+    add_pd_secret_args(r)
     r.set_defaults(func=cmd_router)
     add_bench_parser(sub)
     add_repro_parser(sub)

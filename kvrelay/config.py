@@ -74,6 +74,9 @@ class DisaggConfig:
     transfer_timeout_s: float = 300.0  # prefill queue + compute + transfer, as seen from each side
     heartbeat_interval_s: float = 2.0  # each side pings every peer connection this often
     heartbeat_timeout_s: float = 10.0  # a peer silent this long is dropped and its transfers fail
+    # The secret PD peers and the router share: the transfer handshake and the PD fields of a
+    # request are authenticated with it. "": no PD at all (peers and PD fields are refused).
+    pd_secret: str = field(default="", repr=False)
     # TEST ONLY (prefill): corrupt a request's first KV piece after checksumming, with this probability.
     test_corrupt_p: float = 0.0
     # TEST ONLY (prefill): send every KV piece and first token this many seconds late.
@@ -108,9 +111,10 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None
-    max_body_bytes: int = 4 * 1024 * 1024
+    max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413 (chunked ones too)
     max_n: int = 1
     request_timeout_s: float = 600.0
+    api_key: str = field(default="", repr=False)  # "": no key; else `Authorization: Bearer KEY`
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -123,6 +127,24 @@ class RouterConfig:
     max_attempts: int = 2  # a retry picks a fresh pair, and only while nothing was streamed
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 10.0
+    max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413 (chunked ones too)
+    api_key: str = field(default="", repr=False)  # asked of clients, and sent to the servers
+    pd_secret: str = field(default="", repr=False)  # signs the PD fields of its requests
+
+
+# Settings whose values are never shown (server_info, the ledger, logs): only whether they are set.
+SECRET_SETTINGS = frozenset({"api_key", "pd_secret"})
+
+
+def redacted(d: dict) -> dict:
+    """A config dict (dataclasses.asdict) with every secret replaced by "<set>" (or "" if unset)."""
+    out = {}
+    for k, v in d.items():
+        if k in SECRET_SETTINGS:
+            out[k] = "<set>" if v else ""
+        else:
+            out[k] = redacted(v) if isinstance(v, dict) else v
+    return out
 
 
 @dataclass(frozen=True)
@@ -130,6 +152,7 @@ class EnvKnob:
     name: str
     default: str
     help: str
+    secret: bool = False  # its value is never shown, only whether it is set
 
     def get(self) -> str:
         return os.environ.get(self.name, self.default)
@@ -148,6 +171,21 @@ ENV_KNOBS: dict[str, EnvKnob] = {
             "~/.kvrelay/ledger.db",
             "SQLite run ledger of bench/verify/ab/repro (--ledger overrides; 'off': record nothing)",
         ),
+        EnvKnob(
+            "KVRELAY_API_KEY",
+            "",
+            "API key of `serve` and `router` when --api-key is not given (clients send "
+            "`Authorization: Bearer KEY`; /health and /metrics stay open); bench, verify, repro "
+            "and ab send it",
+            secret=True,
+        ),
+        EnvKnob(
+            "KVRELAY_PD_SECRET",
+            "",
+            "PD shared secret of `serve` and `router` when neither --pd-secret nor "
+            "--pd-secret-file is given (`kvrelay up` sets it for its stack)",
+            secret=True,
+        ),
     )
 }
 
@@ -157,8 +195,18 @@ def env(name: str) -> str:
 
 
 def env_snapshot() -> dict[str, str]:
-    """The value of every knob as this process sees it (recorded with benchmark runs)."""
-    return {name: k.get() for name, k in ENV_KNOBS.items()}
+    """The value of every knob as this process sees it (recorded with benchmark runs); a secret
+    knob shows only whether it is set."""
+    return {
+        name: ("<set>" if k.get() else "") if k.secret else k.get() for name, k in ENV_KNOBS.items()
+    }
+
+
+def api_key_headers() -> dict[str, str]:
+    """What a kvrelay client (bench, verify, repro, ab, the ledger) sends to a server or router:
+    the KVRELAY_API_KEY of its environment as a bearer token, when one is set."""
+    key = env("KVRELAY_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def env_help() -> str:

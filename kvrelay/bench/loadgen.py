@@ -33,6 +33,7 @@ from kvrelay.bench.workloads import (
     build_sessions,
     random_text,
 )
+from kvrelay.config import api_key_headers
 
 SCHEMA_VERSION = 1
 PROBE_WORDS = (16, 160)  # two prompt sizes: their token counts give tokens/word and the offset
@@ -395,7 +396,10 @@ async def run_sweep(cfg: BenchConfig, progress: Progress | None = None) -> dict:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     # trust_env=False: a proxy from the environment must not sit between bench and server.
     async with httpx.AsyncClient(
-        limits=limits, timeout=httpx.Timeout(cfg.request_timeout_s, connect=10), trust_env=False
+        limits=limits,
+        timeout=httpx.Timeout(cfg.request_timeout_s, connect=10),
+        trust_env=False,
+        headers=api_key_headers(),
     ) as client:
         base = cfg.base_url.rstrip("/")
         model = cfg.model or await resolve_model(client, base)

@@ -44,6 +44,7 @@ from kvrelay.bench.verify import (
     divergence_histogram,
 )
 from kvrelay.bench.workloads import CHAT, TOOLS
+from kvrelay.config import api_key_headers
 
 SCHEMA = "kvrelay-repro/1"
 
@@ -314,7 +315,9 @@ async def run_repro(cfg: ReproConfig, on_pass=None) -> dict:
     starts = sessions.initial_messages(
         cfg.num_sessions, cfg.seed, cfg.task_words, cfg.system_prompt
     )
-    async with httpx.AsyncClient(timeout=cfg.request_timeout_s) as client:
+    async with httpx.AsyncClient(
+        timeout=cfg.request_timeout_s, headers=api_key_headers()
+    ) as client:
         model = cfg.model or await resolve_model(client, cfg.url)
         ref_model = cfg.model or await resolve_model(client, ref_url)
         ref_runner = Runner(client, ref_url, ref_model, cfg)

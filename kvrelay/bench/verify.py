@@ -27,6 +27,7 @@ import httpx
 
 from kvrelay.bench.loadgen import BenchError, calibrate, resolve_model
 from kvrelay.bench.workloads import COMPLETIONS, WorkloadConfig, build_sessions
+from kvrelay.config import api_key_headers
 
 SCHEMA = "kvrelay-verify/1"
 DEFAULT_NEAR_TIE = 0.1  # nats: a top-2 gap below this is within bf16/fp16 numeric noise
@@ -233,7 +234,9 @@ async def run_verify(cfg: VerifyConfig) -> dict:
         wl = WorkloadConfig(input_len=cfg.input_len, output_len=cfg.output_len)
     except ValueError as e:
         raise BenchError(str(e)) from None
-    async with httpx.AsyncClient(timeout=cfg.request_timeout_s) as client:
+    async with httpx.AsyncClient(
+        timeout=cfg.request_timeout_s, headers=api_key_headers()
+    ) as client:
         model_a = cfg.model or await resolve_model(client, cfg.url_a)
         model_b = cfg.model or await resolve_model(client, cfg.url_b)
         # Size prompt text on A (two 1-token probes); both sides get the very same text.

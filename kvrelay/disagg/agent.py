@@ -2,7 +2,9 @@
 
 Transport threads only decode frames (and verify checksums, which is pure CPU work) and queue events;
 every state change happens on the engine thread in `poll()`, so the scheduler and the KV pool are
-never touched from two threads.
+never touched from two threads. The handshake (handshake.py) runs on the transport threads too:
+until a connection's peer has proved it holds the PD secret, any message but the handshake's
+closes the connection, and no frame may carry a payload.
 """
 
 from __future__ import annotations
@@ -16,11 +18,17 @@ from dataclasses import dataclass
 
 import msgspec
 
+from kvrelay.disagg import handshake as H
 from kvrelay.disagg import protocol as P
-from kvrelay.disagg.layout import CacheKind, describe_layout, fingerprint, layout_difference
+from kvrelay.disagg.layout import (
+    CacheKind,
+    describe_layout,
+    fingerprint,
+    layout_difference,
+    max_piece_bytes,
+)
 from kvrelay.disagg.transport import make_transport
 from kvrelay.disagg.transport.base import Connection
-from kvrelay.disagg.transport.cuda_ipc import export_tensors
 from kvrelay.engine.messages import RequestOutput
 
 log = logging.getLogger("kvrelay.disagg")
@@ -55,6 +63,10 @@ class TransferAgent:
             raise ValueError("the cuda_ipc transfer backend needs the engine on a CUDA device")
         self.kind_by_name = {k.name: k for k in self.kinds}
         self.layout = fingerprint(self.layout_lines)
+        self.secret = self.cfg.pd_secret  # "": no peer can authenticate, every one is refused
+        # What an authenticated peer's frame may carry: one piece of a whole-context prompt.
+        self.max_payload = max_piece_bytes(self.kinds, engine.max_model_len)
+        self._authed: set[Connection] = set()  # peers that completed the handshake
         self.events: queue.Queue[Event] = queue.Queue()
         self.addr = ""
         self.failure_counts: dict[str, int] = {}  # cause -> failed transfers since start
@@ -103,15 +115,28 @@ class TransferAgent:
 
     # -- transport threads -------------------------------------------------------------------------
 
-    def hello(self) -> bytes:
-        ipc = b""
-        if self.in_place and self.role == "decode":  # prefill writes into these rows
-            ipc = export_tensors({k.name: k.byte_rows for k in self.kinds})
+    def hello(self, nonce: bytes) -> bytes:
         return P.encode(
-            P.Hello(
-                self.instance_id, self.role, self.layout, description=self.layout_lines, ipc=ipc
-            )
+            P.Hello(self.instance_id, self.role, self.layout, nonce, description=self.layout_lines)
         )
+
+    def hello_problem(self, peer: P.Hello) -> tuple[str, str, str] | None:
+        """(cause, bootstrap event, message) when a peer's hello rules the pairing out."""
+        if peer.version != P.PROTOCOL_VERSION:
+            why = f"{peer.role} speaks PD protocol {peer.version}, {self.role} {P.PROTOCOL_VERSION}"
+            return P.Cause.PROTOCOL, "protocol_mismatch", why
+        if len(peer.nonce) != H.NONCE_BYTES:
+            why = f"{peer.role}'s hello has a {len(peer.nonce)}-byte nonce, not {H.NONCE_BYTES}"
+            return P.Cause.PROTOCOL, "protocol_mismatch", why
+        if peer.role == self.role:
+            return P.Cause.PROTOCOL, "protocol_mismatch", f"the peer is a {peer.role} too"
+        if not self.secret:
+            why = f"{self.role} has no PD secret (--pd-secret): it cannot authenticate any peer"
+            return P.Cause.UNAUTHENTICATED, "peer_unauthenticated", why
+        mismatch = self.layout_mismatch(peer)
+        if mismatch:
+            return P.Cause.LAYOUT, "layout_mismatch", mismatch
+        return None
 
     def layout_mismatch(self, peer: P.Hello) -> str:
         """Why a peer's cache layout cannot pair with ours ("" when it can)."""
@@ -124,24 +149,47 @@ class TransferAgent:
         self.track(conn)
         try:
             msg = P.decode(header)
-        except msgspec.DecodeError as e:
+        except msgspec.DecodeError as e:  # ValidationError too: a field beyond its limits
+            log.warning("frame refused peer=%s cause=bad_message message=%s", conn.peer, e)
+            self._on_bad_message(conn, str(e))
             raise ConnectionError(f"undecodable frame header: {e}") from e
+        if conn not in self._authed:
+            if isinstance(msg, P.Heartbeat):
+                return
+            if not isinstance(msg, P.Hello | P.Auth | P.Failure):
+                log.warning(
+                    "transfer peer refused peer=%s cause=%s message=%s before the handshake",
+                    conn.peer,
+                    P.Cause.UNAUTHENTICATED,
+                    type(msg).__name__,
+                )
+                self._count_event("peer_unauthenticated")
+                raise ConnectionError(f"{type(msg).__name__} before the handshake completed")
+            self._on_handshake(conn, msg)
+            return
         ok = True
         if isinstance(msg, P.ChunkHeader) and not msg.in_place:  # in place: checked on install
             if payload.nbytes != msg.nbytes:
                 ok = False
             elif msg.checksum is not None and self.cfg.checksum:
                 ok = P.checksum([payload]) == msg.checksum
-        if isinstance(msg, P.Hello):
-            self._on_hello(conn, msg)
-            return
+        if isinstance(msg, P.Hello | P.Auth):
+            raise ConnectionError(f"a second {type(msg).__name__} on an authenticated connection")
         self.events.put(Event(conn, msg, payload if payload.nbytes else None, ok))
 
     def _on_close(self, conn: Connection, reason: str) -> None:
         self.events.put(Event(conn, None, reason=reason))
 
-    def _on_hello(self, conn: Connection, msg: P.Hello) -> None:
+    def _on_handshake(self, conn: Connection, msg: P.Hello | P.Auth | P.Failure) -> None:
+        """A handshake message from a peer not yet authenticated (on its transport thread)."""
         raise NotImplementedError
+
+    def _on_bad_message(self, conn: Connection, why: str) -> None:
+        """A frame that is no valid message (the connection closes after this)."""
+
+    def _authenticated(self, conn: Connection) -> None:
+        self._authed.add(conn)
+        conn.max_payload = self.max_payload if self.role == "decode" else 0  # prefill gets none
 
     # -- engine thread -----------------------------------------------------------------------------
 
@@ -161,7 +209,8 @@ class TransferAgent:
 
     def _count_event(self, event: str) -> None:
         """A bootstrap event: peer_connected, peer_restarted, peer_lost, peer_silent,
-        layout_mismatch, handshake_timeout, connect_failed, ipc_open_failed."""
+        layout_mismatch, handshake_timeout, connect_failed, ipc_open_failed,
+        peer_unauthenticated, protocol_mismatch."""
         with self._bootstrap_lock:
             self.bootstrap_counts[event] = self.bootstrap_counts.get(event, 0) + 1
 
@@ -170,6 +219,7 @@ class TransferAgent:
         self._count_event("peer_connected")
 
     def _lost_peer(self, conn: Connection) -> None:
+        self._authed.discard(conn)
         # Only peers that completed the handshake: a refused or timed-out hello is its own event.
         if conn in self._connected:
             self._connected.discard(conn)

@@ -76,6 +76,17 @@ def page_rows(kind: CacheKind, pages: list[int], page_size: int, first: int, las
     return row_index(pages_t, first, last, kind.ratio, page_size, kind.tensor.shape[1])
 
 
+def max_piece_bytes(kinds: list[CacheKind], max_tokens: int) -> int:
+    """An upper bound on one piece's payload: every kind's rows for a whole `max_tokens` prompt
+    (a piece carries some of the kinds, each for part of the prompt). What a receiver accepts
+    from a peer before it allocates a byte."""
+    total = 0
+    for k in kinds:
+        rows = 1 if k.unit == SLOT else -(-max_tokens // k.ratio) + 1
+        total += rows * k.row_bytes
+    return total
+
+
 def describe_layout(kinds: list[CacheKind], page_size: int, vocab_size: int) -> list[str]:
     return [f"page_size={page_size} vocab={vocab_size}"] + [k.describe() for k in kinds]
 

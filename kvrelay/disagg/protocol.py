@@ -1,9 +1,15 @@
 """The PD wire protocol (msgspec messages) and the explicit per-request transfer state machine.
 
-A transfer piece names its request and transfer identity, the cache kinds it carries (names from
-the runner's `transfer_layout()`: "L3.k", "L1.c4_index_k", "L1.c4_state.pending_kv", ...), the
-token range it covers, its byte count and a checksum over its bytes. The receiver checks every
-field against what it reserved before it installs a byte.
+A connection starts with a mutual handshake (Hello each way, then Auth each way: prefill's
+proof of the PD secret first, decode's after it checked prefill's; see handshake.py). A transfer
+piece names its request and transfer identity, the cache kinds it carries (names from the
+runner's `transfer_layout()`: "L3.k", "L1.c4_index_k", "L1.c4_state.pending_kv", ...), the token
+range it covers, its byte count and a checksum over its bytes. The receiver checks every field
+against what it reserved before it installs a byte.
+
+Everything on the wire is msgpack decoded into these typed structs, with length and range limits
+on every field (no field is ever a code-loading format such as pickle): a peer can send wrong
+values, never objects.
 """
 
 from __future__ import annotations
@@ -11,50 +17,96 @@ from __future__ import annotations
 import enum
 import time
 import zlib
+from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: pieces name their cache kinds
+PROTOCOL_VERSION = 3  # 2: pieces name their cache kinds; 3: authenticated handshake, typed IPC
+
+# Field limits: a received message that breaks one is refused whole (msgspec.ValidationError).
+Id = Annotated[str, msgspec.Meta(max_length=256)]  # ids, names, addresses, fingerprints
+Text = Annotated[str, msgspec.Meta(max_length=16384)]  # reasons and messages
+Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 62)]
+MAX_KINDS = 4096  # cache kinds of one layout (DeepSeek-V4-Flash has a few hundred)
+MAX_PAGES = 1 << 22  # pages of one request
+Nonce = Annotated[bytes, msgspec.Meta(max_length=64)]
+Proof = Annotated[bytes, msgspec.Meta(max_length=64)]
+Blob = Annotated[bytes, msgspec.Meta(max_length=4096)]  # an opaque CUDA handle
+Description = Annotated[
+    list[Annotated[str, msgspec.Meta(max_length=1024)]], msgspec.Meta(max_length=MAX_KINDS + 1)
+]
 
 
 class PDParams(msgspec.Struct, frozen=True):
     """What the router tells each side about one request."""
 
-    role: str  # prefill | decode
-    transfer_id: str
-    decode_addr: str = ""  # prefill only: the decode engine's transfer listener, host:port
-    decode_instance: str = (
-        ""  # prefill only: the decode instance the router saw (restart detection)
-    )
+    role: Annotated[str, msgspec.Meta(max_length=16)]  # prefill | decode
+    transfer_id: Id
+    decode_addr: Id = ""  # prefill only: the decode engine's transfer listener, host:port
+    decode_instance: Id = ""  # prefill only: the decode instance the router saw (restart detection)
 
 
 # ---- messages (prefill <-> decode, over one transport connection) --------------------------------
 
 
 class Hello(msgspec.Struct, tag=True):
-    instance_id: str
-    role: str
-    layout: str  # cache layout fingerprint: both sides must agree before any bytes move
+    """Each side's first frame: who it is, its cache layout, and a fresh nonce that the other
+    side's proof of the PD secret must cover."""
+
+    instance_id: Id
+    role: Literal["prefill", "decode"]
+    layout: Id  # cache layout fingerprint: both sides must agree before any bytes move
+    nonce: Nonce = b""  # handshake.NONCE_BYTES fresh random bytes (empty: an older peer)
     version: int = PROTOCOL_VERSION
-    description: list[str] = []  # the layout, one line per cache kind: names what differs
-    ipc: bytes = b""  # decode on the cuda_ipc backend: CUDA IPC handles of its cache kinds
+    description: Description = []  # the layout, one line per cache kind: names what differs
+
+
+class IpcTensor(msgspec.Struct, frozen=True):
+    """One CUDA tensor of decode's, shared with prefill through CUDA IPC: the fields that
+    `UntypedStorage._share_cuda_()` produces for its storage, and the tensor's geometry. Plain
+    values; `cuda_ipc.open_tensors` checks them all before it hands any to torch."""
+
+    name: Id  # the cache kind
+    dtype: Annotated[str, msgspec.Meta(max_length=32)]  # a name from cuda_ipc.DTYPES
+    shape: Annotated[list[Count], msgspec.Meta(max_length=8)]
+    stride: Annotated[list[Count], msgspec.Meta(max_length=8)]
+    storage_offset: Count  # elements
+    device: Annotated[int, msgspec.Meta(ge=0, le=1024)]
+    handle: Blob  # cudaIpcMemHandle of the allocation the storage lives in
+    storage_size_bytes: Count
+    storage_offset_bytes: Count  # the storage's offset in that allocation
+    ref_counter_handle: Blob  # the exporter's shared-memory reference counter (a file name)
+    ref_counter_offset: Count
+    event_handle: Blob
+    event_sync_required: bool
+
+
+class Auth(msgspec.Struct, tag=True):
+    """Each side's proof that it holds the PD secret (handshake.proof over both nonces).
+    Prefill sends it first; decode answers with its own only once prefill's checked, and only
+    then shares its cache tensors (cuda_ipc backend)."""
+
+    proof: Proof
+    ipc: Annotated[list[IpcTensor], msgspec.Meta(max_length=MAX_KINDS)] = []
 
 
 class ReserveRequest(msgspec.Struct, tag=True):
     """prefill -> decode: reserve pages for this request (decode answers with ReserveAck)."""
 
-    transfer_id: str
-    rid: str
-    num_tokens: int
-    prompt_hash: str
+    transfer_id: Id
+    rid: Id
+    num_tokens: Count
+    prompt_hash: Id
 
 
 class ReserveAck(msgspec.Struct, tag=True):
-    transfer_id: str
+    transfer_id: Id
     ok: bool
-    reason: str = ""
-    pages: list[int] = []  # decode's pages and state slot for the prompt: where a backend
-    slot: int = 0  # that writes into decode's memory (cuda_ipc) puts the rows
+    reason: Text = ""
+    # decode's pages and state slot for the prompt: where a backend that writes into decode's
+    # memory (cuda_ipc) puts the rows
+    pages: Annotated[list[Count], msgspec.Meta(max_length=MAX_PAGES)] = []
+    slot: Count = 0
 
 
 class ChunkHeader(msgspec.Struct, tag=True):
@@ -62,13 +114,13 @@ class ChunkHeader(msgspec.Struct, tag=True):
     slot kind: its state after them). The payload follows the header in the same frame: each
     kind's rows in the order named."""
 
-    transfer_id: str
-    rid: str
-    kinds: list[str]
-    token_start: int
-    token_end: int
-    nbytes: int
-    checksum: int | None  # crc32 of the payload; None when checksums are off
+    transfer_id: Id
+    rid: Id
+    kinds: Annotated[list[Id], msgspec.Meta(max_length=MAX_KINDS)]
+    token_start: Count
+    token_end: Count
+    nbytes: Count
+    checksum: Count | None  # crc32 of the payload; None when checksums are off
     in_place: bool = False  # cuda_ipc: the rows were written into decode's pages, no payload;
     # the checksum is then `device_checksum` of those rows
 
@@ -76,35 +128,37 @@ class ChunkHeader(msgspec.Struct, tag=True):
 class FirstToken(msgspec.Struct, tag=True):
     """prefill -> decode: the sampled first token, sent after the last chunk."""
 
-    transfer_id: str
-    rid: str
+    transfer_id: Id
+    rid: Id
     token_id: int
     logprob: float | None
-    top_logprobs: list[tuple[int, float]] | None
-    num_chunks: int
+    top_logprobs: Annotated[list[tuple[int, float]], msgspec.Meta(max_length=1024)] | None
+    num_chunks: Count
 
 
 class TransferDone(msgspec.Struct, tag=True):
     """decode -> prefill: everything verified and installed."""
 
-    transfer_id: str
+    transfer_id: Id
 
 
 class Failure(msgspec.Struct, tag=True):
-    """Either direction: the transfer failed; the receiver fails its side of the request."""
+    """Either direction: the transfer failed; the receiver fails its side of the request. During
+    the handshake (transfer_id ""): why the peer refuses this connection."""
 
-    transfer_id: str
-    cause: str  # a short machine name (see Cause)
-    message: str
+    transfer_id: Id
+    cause: Id  # a short machine name (see Cause)
+    message: Text
 
 
 class Heartbeat(msgspec.Struct, tag=True):
-    instance_id: str
+    instance_id: Id
     sent_at: float
 
 
 Message = (
     Hello
+    | Auth
     | ReserveRequest
     | ReserveAck
     | ChunkHeader
@@ -138,7 +192,10 @@ class Cause:
     IDENTITY = "identity_mismatch"
     LAYOUT = "layout_mismatch"
     ABORTED = "aborted"
-    CONNECT = "connect_failed"
+    CONNECT = "connect_failed"  # no connection, or no complete handshake in time
+    UNAUTHENTICATED = "peer_unauthenticated"  # a side lacks the PD secret or proved a wrong one
+    PROTOCOL = "protocol_mismatch"  # the peer speaks another protocol version
+    IPC = "ipc_open_failed"  # decode's CUDA IPC handles could not be opened here
 
 
 def pd_status(cause: str) -> int:

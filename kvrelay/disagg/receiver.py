@@ -20,13 +20,14 @@ from dataclasses import dataclass, field
 import torch
 
 from kvrelay.cache.page_allocator import pages_for
+from kvrelay.disagg import handshake as H
 from kvrelay.disagg import protocol as P
 from kvrelay.disagg.agent import Event, TransferAgent
 from kvrelay.disagg.layout import SLOT
 from kvrelay.disagg.pieces import expected_bytes, gather_rows, piece_rows, scatter
 from kvrelay.disagg.protocol import TState
 from kvrelay.disagg.transport.base import Connection
-from kvrelay.disagg.transport.cuda_ipc import device_checksum
+from kvrelay.disagg.transport.cuda_ipc import device_checksum, export_tensors
 from kvrelay.engine.messages import RequestOutput, TokenLogprob
 from kvrelay.engine.request import Status
 
@@ -43,6 +44,14 @@ class DecodeTransfer:
     num_chunks: int = 0
     reserved: float = field(default_factory=time.monotonic)  # when decode reserved its pages
     install_s: float = 0.0  # time spent checking and installing pieces
+
+
+@dataclass
+class Handshake:
+    """A connection whose prefill has said hello but not yet proved it holds the PD secret."""
+
+    hello: P.Hello
+    nonce: bytes = field(default_factory=H.new_nonce)  # ours, for this connection
 
 
 @dataclass
@@ -65,6 +74,7 @@ class DecodeReceiver(TransferAgent):
         self.ended: dict[
             str, float
         ] = {}  # transfer id -> when it failed: its late pieces are dropped quietly
+        self._handshakes: dict[Connection, Handshake] = {}  # said hello, not yet authenticated
         self.addr = self.transport.listen(
             self.cfg.transfer_host, self.cfg.transfer_port, self._on_message, self._on_close
         )
@@ -86,18 +96,57 @@ class DecodeReceiver(TransferAgent):
         counts["orphaned"] = len(self.orphans)  # prefill's reservation came before decode's copy
         return counts
 
-    def _on_hello(self, conn: Connection, msg: P.Hello) -> None:
-        conn.send(self.hello())
-        mismatch = self.layout_mismatch(msg)
-        if mismatch:
-            log.error("prefill peer=%s refused: %s", conn.peer, mismatch)
-            self._count_event("layout_mismatch")
-            conn.close()
-        else:
-            # Prefill connects from a fresh port each time: a restart shows as peer_lost, then
-            # peer_connected with a new instance id (prefill itself counts peer_restarted).
-            self._connected_peer(conn)
-            log.info("prefill connected peer=%s instance=%s", conn.peer, msg.instance_id)
+    def _on_handshake(self, conn: Connection, msg: P.Hello | P.Auth | P.Failure) -> None:
+        shake = self._handshakes.get(conn)
+        if isinstance(msg, P.Hello):
+            if shake is not None:
+                raise ConnectionError(f"a second hello from {conn.peer}")
+            self._handshakes[conn] = Handshake(msg)
+            problem = self.hello_problem(msg)
+            if problem is not None and problem[0] != P.Cause.LAYOUT:
+                return self._refuse(conn, *problem)
+            conn.send(self.hello(self._handshakes[conn].nonce))
+            if problem is not None:  # prefill names the difference too, from our hello
+                return self._refuse(conn, *problem)
+            return
+        if isinstance(msg, P.Failure):  # prefill refused us (and hangs up)
+            log.warning(
+                "prefill peer=%s refused the handshake cause=%s message=%s",
+                conn.peer,
+                msg.cause,
+                msg.message,
+            )
+            raise ConnectionError(f"prefill refused the handshake: {msg.message}")
+        if shake is None:
+            raise ConnectionError(f"an auth before the hello from {conn.peer}")
+        if not H.proof_ok(self._proof("prefill", shake), msg.proof):
+            why = f"prefill at {conn.peer} failed to prove it holds the PD secret"
+            return self._refuse(conn, P.Cause.UNAUTHENTICATED, "peer_unauthenticated", why)
+        del self._handshakes[conn]
+        self._authenticated(conn)
+        ipc = []
+        if self.in_place:  # prefill writes into these rows, and may now know where they are
+            ipc = export_tensors({k.name: k.byte_rows for k in self.kinds})
+        conn.send(P.encode(P.Auth(self._proof("decode", shake), ipc)))
+        # Prefill connects from a fresh port each time: a restart shows as peer_lost, then
+        # peer_connected with a new instance id (prefill itself counts peer_restarted).
+        self._connected_peer(conn)
+        log.info("prefill connected peer=%s instance=%s", conn.peer, shake.hello.instance_id)
+
+    def _proof(self, role: str, shake: Handshake) -> bytes:
+        p = shake.hello
+        return H.proof(self.secret, role, p.nonce, shake.nonce, p.instance_id, self.instance_id)
+
+    def _refuse(self, conn: Connection, cause: str, event: str, message: str) -> None:
+        """Tell a peer why it is refused, log it, count it, hang up."""
+        log.warning("transfer peer refused peer=%s cause=%s message=%s", conn.peer, cause, message)
+        self._count_event(event)
+        self._handshakes.pop(conn, None)
+        try:
+            conn.send(P.encode(P.Failure("", cause, message)))
+        except ConnectionError:
+            pass
+        conn.close()
 
     # -- engine hooks --------------------------------------------------------------------------------
 
@@ -376,6 +425,7 @@ class DecodeReceiver(TransferAgent):
         self._emit_failure(t.req.rid, t.pd.transfer_id, cause, message, state)
 
     def _on_conn_lost(self, conn: Connection, reason: str) -> None:
+        self._handshakes.pop(conn, None)
         self._lost_peer(conn)
         for tid, o in list(self.orphans.items()):
             if o.conn is conn:

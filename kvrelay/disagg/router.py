@@ -5,6 +5,9 @@ request to both with the `kvrelay_pd` field (decode reserves KV and waits; prefi
 decode, computes the prompt, ships KV + first token), and stream decode's answer back. Any failure
 becomes an OpenAI-format error naming its cause (an SSE error event once streaming has begun).
 A failed attempt is retried on a fresh pair only while nothing has been streamed to the client.
+The PD fields of each request are signed with the PD secret (the `X-Kvrelay-PD-Auth` header over
+the exact body bytes): servers take them from no one else. With an API key, clients must send it
+(guard.py) and the router sends it to the servers.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from starlette.background import BackgroundTask
 
 from kvrelay.config import RouterConfig
+from kvrelay.disagg.handshake import PD_AUTH_HEADER, request_token
 from kvrelay.disagg.protocol import pd_status
+from kvrelay.server.guard import HttpGuard
 
 log = logging.getLogger("kvrelay.router")
 
@@ -60,12 +65,17 @@ def _error_of(resp_status: int, body: bytes, side: str) -> RouteError:
 
 
 class Router:
-    def __init__(self, cfg: RouterConfig) -> None:
+    def __init__(
+        self, cfg: RouterConfig, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
         if not cfg.prefill or not cfg.decode:
             raise ValueError("the router needs at least one prefill and one decode server")
         self.cfg = cfg
+        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
+            timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
+            headers=headers,
+            transport=transport,  # tests: scripted servers
         )
         self.info: dict[str, PeerInfo] = {}
         self._next = 0
@@ -109,6 +119,14 @@ class Router:
         return info
 
     async def route(self, path: str, body: dict) -> Response:
+        if not self.cfg.pd_secret:
+            self.requests.labels(outcome="error").inc()
+            return RouteError(
+                503,
+                "the router has no PD secret (--pd-secret, --pd-secret-file or "
+                "KVRELAY_PD_SECRET): PD servers would refuse its requests",
+                "pd_secret_missing",
+            ).response()
         stream = bool(body.get("stream"))
         last: RouteError | None = None
         for attempt in range(max(self.cfg.max_attempts, 1)):
@@ -166,9 +184,7 @@ class Router:
             stream,
         )
         dtask = asyncio.create_task(
-            self.client.send(
-                self.client.build_request("POST", d_url + path, json=dbody), stream=True
-            )
+            self.client.send(self._signed(d_url + path, dbody), stream=True)
         )
         ptask = asyncio.create_task(self._prefill(p_url + path, pbody))
         dresp: httpx.Response | None = None
@@ -206,9 +222,18 @@ class Router:
             relay.events(), media_type="text/event-stream", background=BackgroundTask(relay.close)
         )
 
+    def _signed(self, url: str, body: dict) -> httpx.Request:
+        """A POST of `body` whose PD fields the server will take: signed with the PD secret."""
+        data = json.dumps(body).encode()
+        headers = {
+            "Content-Type": "application/json",
+            PD_AUTH_HEADER: request_token(self.cfg.pd_secret, data),
+        }
+        return self.client.build_request("POST", url, content=data, headers=headers)
+
     async def _prefill(self, url: str, body: dict) -> None:
         try:
-            r = await self.client.post(url, json=body)
+            r = await self.client.send(self._signed(url, body))
         except httpx.HTTPError as e:
             raise RouteError(
                 502, f"prefill server failed: {type(e).__name__}: {e}", "prefill_unreachable"
@@ -321,6 +346,17 @@ def create_router_app(cfg: RouterConfig, on_ready=None) -> FastAPI:
 
     app = FastAPI(title="kvrelay router", lifespan=lifespan)
     app.state.router = router
+    app.add_middleware(
+        HttpGuard,
+        api_key=cfg.api_key,
+        max_body_bytes=cfg.max_body_bytes,
+        on_reject=lambda status: router.requests.labels(outcome=f"http_{status}").inc(),
+    )
+    if not cfg.pd_secret:
+        log.warning(
+            "no PD secret (--pd-secret, --pd-secret-file or KVRELAY_PD_SECRET): every request "
+            "is answered 503, the servers would refuse it"
+        )
 
     @app.get("/health")
     async def health():

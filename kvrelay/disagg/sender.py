@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
+from kvrelay.cache.page_allocator import pages_for
+from kvrelay.disagg import handshake as H
 from kvrelay.disagg import protocol as P
 from kvrelay.disagg.agent import Event, TransferAgent
 from kvrelay.disagg.layout import PAGE, SLOT, layer_groups
@@ -30,15 +32,30 @@ from kvrelay.engine.messages import RequestOutput
 
 log = logging.getLogger("kvrelay.disagg")
 
+# Causes a decode may give for refusing our handshake (anything else counts as peer_failed).
+_HANDSHAKE_CAUSES = {P.Cause.UNAUTHENTICATED, P.Cause.PROTOCOL, P.Cause.LAYOUT}
+
+
+class PeerRefused(Exception):
+    """No usable connection to a decode peer; `cause` is the failure cause (protocol.Cause)."""
+
+    def __init__(self, cause: str, message: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
 
 @dataclass
 class Peer:
     conn: Connection
-    hello: threading.Event = field(default_factory=threading.Event)
+    nonce: bytes = field(default_factory=H.new_nonce)  # ours, for this connection
+    ready: threading.Event = field(default_factory=threading.Event)  # handshake over (or failed)
     instance_id: str = ""
+    decode_nonce: bytes = b""
+    cause: str = ""  # why the handshake failed ("" while it has not)
     error: str = ""
     event: str = ""  # the bootstrap event `error` counts as
     remote: dict | None = None  # cuda_ipc: decode's cache kinds (byte rows), opened here
+    dst_limits: tuple[int, int] = (0, 0)  # cuda_ipc: decode's page and slot counts
 
 
 class DelayedSends:
@@ -83,7 +100,8 @@ class PrefillSender(TransferAgent):
 
     def __init__(self, engine) -> None:
         super().__init__(engine)
-        self.peers: dict[str, Peer] = {}
+        self.peers: dict[str, Peer] = {}  # by decode address: authenticated connections
+        self._handshakes: dict[Connection, Peer] = {}  # connections still shaking hands
         self.transfers: dict[str, PrefillTransfer] = {}  # by rid
         self.instance_at: dict[str, str] = {}  # decode address -> the instance last seen there
         self.page_groups = layer_groups(self.kinds, PAGE, self.cfg.layers_per_chunk)
@@ -112,19 +130,101 @@ class PrefillSender(TransferAgent):
 
     # -- peers ---------------------------------------------------------------------------------------
 
-    def _on_hello(self, conn: Connection, msg: P.Hello) -> None:
-        for peer in list(self.peers.values()):
-            if peer.conn is conn:
-                peer.error = self.layout_mismatch(msg)
-                peer.event = "layout_mismatch"
-                peer.instance_id = msg.instance_id
-                if self.in_place and msg.ipc and not peer.error:
-                    try:
-                        peer.remote = open_tensors(msg.ipc)
-                    except Exception as e:  # another host, no peer access, ...: say so
-                        peer.error = f"cannot open decode's CUDA IPC handles: {e}"
-                        peer.event = "ipc_open_failed"
-                peer.hello.set()
+    def _on_handshake(self, conn: Connection, msg: P.Hello | P.Auth | P.Failure) -> None:
+        peer = self._handshakes.get(conn)
+        if peer is None or peer.ready.is_set():
+            raise ConnectionError(f"unexpected {type(msg).__name__} from {conn.peer}")
+        if isinstance(msg, P.Failure):  # decode refused us
+            cause = msg.cause if msg.cause in _HANDSHAKE_CAUSES else P.Cause.PEER_FAILED
+            return self._handshake_failed(peer, cause, f"decode refused: {msg.message}")
+        if isinstance(msg, P.Hello):
+            if peer.decode_nonce:
+                raise ConnectionError(f"a second hello from {conn.peer}")
+            peer.instance_id, peer.decode_nonce = msg.instance_id, msg.nonce
+            problem = self.hello_problem(msg)
+            if problem:
+                return self._handshake_failed(peer, problem[0], problem[2], problem[1])
+            mine = self._proof("prefill", peer)
+            conn.send(P.encode(P.Auth(mine)))
+            return
+        if not peer.decode_nonce:
+            raise ConnectionError(f"an auth before the hello from {conn.peer}")
+        if not H.proof_ok(self._proof("decode", peer), msg.proof):
+            why = f"decode at {conn.peer} failed to prove it holds the PD secret"
+            return self._handshake_failed(peer, P.Cause.UNAUTHENTICATED, why)
+        if self.in_place and msg.ipc:
+            try:
+                peer.remote = open_tensors(msg.ipc)
+                peer.dst_limits = self._check_remote(peer.remote)
+            except Exception as e:  # a bad description, another host, no peer access: say so
+                why = f"cannot open decode's CUDA IPC handles: {type(e).__name__}: {e}"
+                return self._handshake_failed(peer, P.Cause.IPC, why)
+        self._authenticated(conn)
+        peer.ready.set()
+
+    def _proof(self, role: str, peer: Peer) -> bytes:
+        return H.proof(
+            self.secret, role, peer.nonce, peer.decode_nonce, self.instance_id, peer.instance_id
+        )
+
+    def _check_remote(self, remote: dict) -> tuple[int, int]:
+        """Decode's shared tensors are the byte rows of exactly our cache kinds; returns how many
+        pages and state slots they hold (what decode's reservations may name)."""
+        if set(remote) != set(self.kind_by_name):
+            raise ValueError(f"decode shares {sorted(remote)[:4]}.., not this layout's kinds")
+        pages = slots = 1 << 62
+        for name, t in remote.items():
+            k = self.kind_by_name[name]
+            mine = k.byte_rows
+            if t.dtype != mine.dtype or t.dim() != 2 or t.shape[1] != mine.shape[1]:
+                raise ValueError(
+                    f"{name}: decode shares {t.dtype} {tuple(t.shape)}, "
+                    f"rows here are {mine.dtype} [*, {mine.shape[1]}]"
+                )
+            if k.unit == SLOT:
+                slots = min(slots, t.shape[0])
+            else:
+                pages = min(pages, t.shape[0] // k.tensor.shape[1])
+        return pages, slots
+
+    def _destination_problem(self, t: PrefillTransfer, ack: P.ReserveAck) -> str:
+        """cuda_ipc writes land where decode's ack says: every page and the slot must exist."""
+        if t.peer.remote is None:
+            return ""
+        need = pages_for(len(t.req.prompt_ids), self.engine.runner.page_size)
+        pages, slots = t.peer.dst_limits
+        if len(ack.pages) < need or any(p >= pages for p in ack.pages) or ack.slot >= slots:
+            return (
+                f"decode's reservation ({len(ack.pages)} pages, slot {ack.slot}) does not fit "
+                f"a {need}-page prompt in its {pages} pages and {slots} slots"
+            )
+        return ""
+
+    def _on_bad_message(self, conn: Connection, why: str) -> None:
+        peer = self._handshakes.get(conn)
+        if peer is not None and not peer.ready.is_set():
+            why = f"decode at {conn.peer} sent an invalid handshake message: {why}"
+            self._handshake_failed(peer, P.Cause.PROTOCOL, why)
+
+    def _on_close(self, conn: Connection, reason: str) -> None:
+        peer = self._handshakes.get(conn)
+        if peer is not None and not peer.ready.is_set():  # wake `_peer` now, not at its timeout
+            why = f"decode at {conn.peer} closed the connection during the handshake: {reason}"
+            self._handshake_failed(peer, P.Cause.CONNECT, why, "connect_failed")
+        super()._on_close(conn, reason)
+
+    def _handshake_failed(self, peer: Peer, cause: str, message: str, event: str = "") -> None:
+        peer.cause, peer.error = cause, message
+        peer.event = event or {
+            P.Cause.UNAUTHENTICATED: "peer_unauthenticated",
+            P.Cause.IPC: "ipc_open_failed",
+            P.Cause.LAYOUT: "layout_mismatch",
+            P.Cause.PROTOCOL: "protocol_mismatch",
+        }.get(cause, "handshake_failed")
+        log.warning(
+            "transfer peer refused peer=%s cause=%s message=%s", peer.conn.peer, cause, message
+        )
+        peer.ready.set()
 
     def _peer(self, addr: str) -> Peer:
         peer = self.peers.get(addr)
@@ -134,22 +234,32 @@ class PrefillSender(TransferAgent):
             conn = self.transport.connect(
                 addr, self._on_message, self._on_close, self.cfg.connect_timeout_s
             )
-        except (OSError, ConnectionError):
+        except (OSError, ConnectionError) as e:
             self._count_event("connect_failed")
-            raise
-        peer = self.peers[addr] = Peer(conn)
+            raise PeerRefused(P.Cause.CONNECT, f"cannot reach decode at {addr}: {e}") from None
+        peer = Peer(conn)
+        self._handshakes[conn] = peer
         self.track(conn)
-        conn.send(self.hello())
-        if not peer.hello.wait(self.cfg.connect_timeout_s):
-            conn.close()
-            self._count_event("handshake_timeout")
-            raise ConnectionError(
-                f"decode at {addr} did not answer the hello within {self.cfg.connect_timeout_s}s"
-            )
+        try:
+            conn.send(self.hello(peer.nonce))
+            if not peer.ready.wait(self.cfg.connect_timeout_s):
+                self._count_event("handshake_timeout")
+                raise PeerRefused(
+                    P.Cause.CONNECT,
+                    f"decode at {addr} did not complete the handshake within "
+                    f"{self.cfg.connect_timeout_s}s",
+                )
+        except ConnectionError as e:
+            self._count_event("connect_failed")
+            raise PeerRefused(P.Cause.CONNECT, f"decode at {addr} hung up: {e}") from None
+        finally:
+            del self._handshakes[conn]
+            if not peer.ready.is_set() or peer.error:
+                conn.close()
         if peer.error:
-            conn.close()
             self._count_event(peer.event)
-            raise ValueError(peer.error)
+            raise PeerRefused(peer.cause, peer.error)
+        self.peers[addr] = peer
         self._connected_peer(conn)
         before = self.instance_at.get(addr)
         if before is not None and before != peer.instance_id:
@@ -171,12 +281,8 @@ class PrefillSender(TransferAgent):
         self.transfers[req.rid] = t
         try:
             t.peer = self._peer(pd.decode_addr)
-        except ValueError as e:
-            return self._fail(t, P.Cause.LAYOUT, str(e), notify=False)
-        except (OSError, ConnectionError) as e:
-            return self._fail(
-                t, P.Cause.CONNECT, f"cannot reach decode at {pd.decode_addr}: {e}", notify=False
-            )
+        except PeerRefused as e:
+            return self._fail(t, e.cause, str(e), notify=False)
         if pd.decode_instance and t.peer.instance_id != pd.decode_instance:
             return self._fail(
                 t,
@@ -350,6 +456,9 @@ class PrefillSender(TransferAgent):
                     f"decode refused the reservation: {msg.reason}",
                     notify=False,
                 )
+            problem = self._destination_problem(t, msg)
+            if problem:
+                return self._fail(t, P.Cause.IDENTITY, problem)
             t.dst_pages, t.dst_slot = msg.pages, msg.slot
             t.acked = time.monotonic()
             t.sm.to(TState.PREFILLING)

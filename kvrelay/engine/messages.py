@@ -92,6 +92,7 @@ class EngineReady(msgspec.Struct, tag=True):
     role: str = "single"
     instance_id: str = ""
     transfer_addr: str = ""  # decode role: where prefill engines send KV
+    transfer_layout: str = ""  # PD roles: the cache layout fingerprint peers must share
 
 
 class EngineFailed(msgspec.Struct, tag=True):

@@ -89,6 +89,7 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str) -> None:
                 role=cfg.role,
                 instance_id=engine.agent.instance_id if engine.agent else "",
                 transfer_addr=engine.agent.addr if engine.agent else "",
+                transfer_layout=engine.agent.layout if engine.agent else "",
             )
         )
     )

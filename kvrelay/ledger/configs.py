@@ -13,8 +13,18 @@ from dataclasses import asdict
 
 from kvrelay.config import ENV_KNOBS, ServerConfig
 
-# Where a server listens or records, not how it serves.
-IGNORED = frozenset({"host", "port", "env.KVRELAY_LEDGER"})
+# Where a server listens or records, and who may use it: not how it serves.
+IGNORED = frozenset(
+    {
+        "host",
+        "port",
+        "env.KVRELAY_LEDGER",
+        "api_key",
+        "engine.disagg.pd_secret",
+        "env.KVRELAY_API_KEY",
+        "env.KVRELAY_PD_SECRET",
+    }
+)
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, object]:

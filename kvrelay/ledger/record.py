@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from kvrelay import provenance
-from kvrelay.config import env_snapshot
+from kvrelay.config import api_key_headers, env_snapshot
 from kvrelay.ledger import configs, store
 
 
@@ -21,7 +21,7 @@ def fetch_server_info(url: str, timeout_s: float = 10.0) -> dict:
     base = url.rstrip("/")
     info: dict = {"url": base}
     try:
-        with httpx.Client(timeout=timeout_s, trust_env=False) as c:
+        with httpx.Client(timeout=timeout_s, trust_env=False, headers=api_key_headers()) as c:
             r = c.get(base + "/server_info")
             if r.status_code == 200:
                 return info | r.json()

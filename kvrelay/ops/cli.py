@@ -36,6 +36,12 @@ def add_up_parser(subparsers) -> argparse.ArgumentParser:
     u.add_argument("--decode-args", default="", help="more `kvrelay serve` args for decode")
     u.add_argument("--router-args", default="", help="more `kvrelay router` args")
     u.add_argument(
+        "--api-key",
+        default=None,
+        help="API key of the stack: the router asks clients for it (`Authorization: Bearer "
+        "KEY`), the servers ask the router (default: KVRELAY_API_KEY; unset: no key)",
+    )
+    u.add_argument(
         "--health-timeout",
         type=float,
         default=600.0,
@@ -61,6 +67,9 @@ def _gpus(spec: str | None) -> str | None:
 
 
 def launch_config(a: argparse.Namespace):
+    import secrets
+
+    from kvrelay.config import env
     from kvrelay.ops.launcher import LaunchConfig
 
     common: list[str] = []
@@ -87,6 +96,8 @@ def launch_config(a: argparse.Namespace):
         decode_args=tuple(shlex.split(a.decode_args)),
         router_args=tuple(shlex.split(a.router_args)),
         health_timeout_s=a.health_timeout,
+        api_key=a.api_key if a.api_key is not None else env("KVRELAY_API_KEY"),
+        pd_secret=secrets.token_urlsafe(32),  # this stack's own: its children get it, no one else
     )
 
 
@@ -100,15 +111,18 @@ def cmd_up(a: argparse.Namespace) -> int:
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # health polls are not events
 
+    cfg = launch_config(a)
+
     def ready(url: str, model: str) -> None:
+        auth = '-H "Authorization: Bearer $KVRELAY_API_KEY" ' if cfg.api_key else ""
         example = (
-            f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"curl {url}/v1/chat/completions {auth}-H 'Content-Type: application/json' "
             f'-d \'{{"model": "{model}", "messages": [{{"role": "user", '
             f'"content": "Hello!"}}], "max_tokens": 32}}\''
         )
         print(f"kvrelay up ready: {url} (model {model}) | try: {example}", flush=True)
 
-    return Launcher(launch_config(a), on_ready=ready).run()
+    return Launcher(cfg, on_ready=ready).run()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,8 @@
 Each child runs in its own process group with its own log file. Readiness is gated on `/health`
 (servers first, then the router). A child that exits unexpectedly is restarted on its same ports;
 SIGHUP co-restarts the whole stack; SIGINT/SIGTERM stops it (router first) and returns 0.
+The stack's PD secret (and its API key, if any) reach the children through their environment
+(KVRELAY_PD_SECRET, KVRELAY_API_KEY), never their command lines, which other users can read.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
@@ -63,6 +65,8 @@ class LaunchConfig:
     health_timeout_s: float = 600.0
     stop_timeout_s: float = 20.0
     max_backoff_s: float = 30.0
+    api_key: str = field(default="", repr=False)  # "": none
+    pd_secret: str = field(default="", repr=False)  # shared by the router and both servers
 
 
 @dataclass
@@ -112,9 +116,12 @@ def build_specs(cfg: LaunchConfig) -> list[ChildSpec]:
     logs = Path(cfg.log_dir)
     py = [sys.executable, "-m", "kvrelay.cli"]
     purl, durl = f"http://{cfg.server_host}:{pport}", f"http://{cfg.server_host}:{dport}"
+    base_env = dict(os.environ, KVRELAY_PD_SECRET=cfg.pd_secret)
+    if cfg.api_key:
+        base_env["KVRELAY_API_KEY"] = cfg.api_key
 
     def server(role: str, port: int, gpus: str | None, extra: tuple[str, ...]) -> ChildSpec:
-        env = dict(os.environ)
+        env = dict(base_env)
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpus
         argv = [*py, "serve", "--role", role, "--host", cfg.server_host, "--port", str(port)]
@@ -135,7 +142,7 @@ def build_specs(cfg: LaunchConfig) -> list[ChildSpec]:
         server("prefill", pport, cfg.prefill_gpus, cfg.prefill_args),
         server("decode", dport, cfg.decode_gpus, cfg.decode_args),
         ChildSpec(
-            "router", router_argv, dict(os.environ), f"http://{rhost}:{rport}", logs / "router.log"
+            "router", router_argv, dict(base_env), f"http://{rhost}:{rport}", logs / "router.log"
         ),
     ]
 
@@ -275,10 +282,10 @@ class Launcher:
 
     def _announce(self) -> None:
         model = "?"
+        auth = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
         try:
-            model = httpx.get(self.by_name["decode"].spec.url + "/pd/info", timeout=5).json()[
-                "model"
-            ]
+            url = self.by_name["decode"].spec.url + "/pd/info"
+            model = httpx.get(url, headers=auth, timeout=5).json()["model"]
         except (httpx.HTTPError, ValueError, KeyError):
             pass
         log.info("stack ready router=%s model=%s", self.router_url, model)

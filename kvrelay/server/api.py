@@ -1,6 +1,8 @@
 """OpenAI-compatible routes: chat, completions, models, health, metrics; and read-only
 introspection: server_info (configuration and provenance), telemetry/steps and
-telemetry/profile (how often a step is split into components)."""
+telemetry/profile (how often a step is split into components). In front of them all: the API key
+and the body-size limit (guard.py). PD routing fields (`kvrelay_pd`) are taken only from a caller
+that holds the PD secret (the router's token over the body, handshake.request_token)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from prometheus_client import generate_latest
 from pydantic import ValidationError
 
 from kvrelay import provenance
-from kvrelay.config import ServerConfig, env, env_snapshot
+from kvrelay.config import ServerConfig, env, env_snapshot, redacted
+from kvrelay.disagg.handshake import PD_AUTH_HEADER, request_token_ok
 from kvrelay.disagg.protocol import PDParams
 from kvrelay.engine.messages import SamplingParams
 from kvrelay.server import openai_format as fmt
@@ -27,6 +30,7 @@ from kvrelay.server.chat_output import ChatOutputParser, delta_dict, message_dic
 from kvrelay.server.engine_client import EngineClient, EngineDead
 from kvrelay.server.errors import APIError, bad_request, unavailable
 from kvrelay.server.generation import Delta, Generation
+from kvrelay.server.guard import HttpGuard
 from kvrelay.server.metrics import Metrics
 from kvrelay.server.schemas import ChatCompletionRequest, CompletionRequest
 from kvrelay.server.telemetry import StepTelemetry
@@ -59,7 +63,7 @@ class ServerState:
             r = self.client.ready
             self._info = {
                 "model": self.model_name,
-                "config": asdict(self.cfg),
+                "config": redacted(asdict(self.cfg)),
                 "engine": {
                     "max_model_len": r.max_model_len,
                     "max_total_tokens": r.max_total_tokens,
@@ -96,6 +100,19 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
 
     app = FastAPI(title="kvrelay", lifespan=lifespan)
     app.state.kv = state
+    app.add_middleware(
+        HttpGuard,
+        api_key=cfg.api_key,
+        max_body_bytes=cfg.max_body_bytes,
+        on_reject=lambda status: state.metrics.errors.labels(status=str(status)).inc(),
+    )
+    pd_secret = cfg.engine.disagg.pd_secret
+    if cfg.engine.role != "single" and not pd_secret:
+        log.warning(
+            "no PD secret (--pd-secret, --pd-secret-file or KVRELAY_PD_SECRET): this %s server "
+            "refuses PD requests (403) and transfer peers",
+            cfg.engine.role,
+        )
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -132,7 +149,8 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
 
     @app.get("/pd/info")
     async def pd_info():
-        """What a PD router needs: this server's role, engine instance id and KV transfer address."""
+        """What a PD router needs: this server's role, engine instance id, KV transfer address
+        and cache layout fingerprint (what both sides of a pair must share)."""
         r = state.client.ready
         if r is None:
             raise unavailable("engine not ready")
@@ -140,6 +158,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             "role": r.role,
             "instance_id": r.instance_id,
             "transfer_addr": r.transfer_addr,
+            "layout": r.transfer_layout,
             "model": state.model_name,
         }
 
@@ -287,24 +306,44 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         }
 
     async def _parse(request: Request, schema):
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > cfg.max_body_bytes:
-            raise APIError(413, f"request body larger than {cfg.max_body_bytes} bytes")
-        body = await request.body()
-        if len(body) > cfg.max_body_bytes:
-            raise APIError(413, f"request body larger than {cfg.max_body_bytes} bytes")
+        body = await request.body()  # the guard has held it to cfg.max_body_bytes
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise bad_request(f"malformed JSON: {e}") from None
         if not isinstance(data, dict):
             raise bad_request("the request body must be a JSON object")
+        if "kvrelay_pd" in data:  # before anything acts on it (a prefill would connect)
+            _check_pd_auth(request, body)
         try:
             return schema.model_validate(data)
         except ValidationError as e:
             err = e.errors()[0]
             param = ".".join(str(x) for x in err["loc"]) or None
             raise bad_request(f"{param}: {err['msg']}" if param else err["msg"], param) from None
+
+    def _check_pd_auth(request: Request, body: bytes) -> None:
+        if not pd_secret:
+            raise APIError(
+                403,
+                "kvrelay_pd is refused: this server has no PD secret (--pd-secret)",
+                type_="permission_error",
+                param="kvrelay_pd",
+                code="pd_secret_missing",
+            )
+        if not request_token_ok(pd_secret, body, request.headers.get(PD_AUTH_HEADER)):
+            log.warning(
+                "PD fields refused client=%s cause=pd_auth_failed",
+                request.client.host if request.client else "?",
+            )
+            raise APIError(
+                403,
+                f"kvrelay_pd is accepted only from the router: the {PD_AUTH_HEADER} header "
+                "must sign the body with the PD secret",
+                type_="permission_error",
+                param="kvrelay_pd",
+                code="pd_auth_failed",
+            )
 
     def _check_common(req) -> None:
         if not state.client.healthy:

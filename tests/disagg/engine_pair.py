@@ -6,11 +6,27 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from kvrelay.config import CacheConfig, DisaggConfig, EngineConfig, SchedulerConfig
 from kvrelay.disagg.protocol import PDParams
 from kvrelay.engine.engine import Engine
 from kvrelay.engine.messages import AddRequest, SamplingParams
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+PD_SECRET = "engine-pair-test-secret"  # what both engines of a pair share
+
+
+def dense_engine(role: str, max_total_tokens: int = 4096, **disagg) -> Engine:
+    """A tiny dense engine (qwen3-tiny, dummy weights); prompts over 32 tokens are chunked."""
+    return Engine(
+        EngineConfig(
+            model="qwen3-tiny",
+            load_format="dummy",
+            role=role,
+            cache=CacheConfig(max_total_tokens=max_total_tokens, page_size=16),
+            scheduler=SchedulerConfig(max_num_batched_tokens=32),
+            disagg=DisaggConfig(**{"layers_per_chunk": 1, "pd_secret": PD_SECRET, **disagg}),
+        )
+    )
 
 
 class Pair:

@@ -13,6 +13,10 @@ from contextlib import contextmanager
 import httpx
 from conftest import ServerProcess, free_port
 
+PD_SECRET = (
+    "pd-stack-test-secret"  # the stack's shared secret (tests may pass it on the command line)
+)
+
 
 class RouterProcess:
     """`kvrelay router` as a real process."""
@@ -119,7 +123,7 @@ class PDStack:
         max_total_tokens: int = 16384,
         model: tuple[str, ...] = ("--model", "smollm2"),
     ) -> None:
-        common = (*model, "--max-total-tokens", str(max_total_tokens))
+        common = (*model, "--max-total-tokens", str(max_total_tokens), "--pd-secret", PD_SECRET)
         self.decode = self.prefill = self.router = None
         with engine_threads(), ThreadPoolExecutor(2) as ex:  # the two load in parallel
             fd = ex.submit(
@@ -142,7 +146,9 @@ class PDStack:
             )
         try:
             self.decode, self.prefill = fd.result(), fp.result()
-            self.router = RouterProcess([self.prefill.url], [self.decode.url], *router_args)
+            self.router = RouterProcess(
+                [self.prefill.url], [self.decode.url], "--pd-secret", PD_SECRET, *router_args
+            )
         except BaseException:
             for f in (fd, fp):
                 if f.exception() is None:

@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 import torch
-from engine_pair import pairs
+from engine_pair import PD_SECRET, pairs
 
 from kvrelay.config import CacheConfig, DisaggConfig, EngineConfig, SchedulerConfig
 from kvrelay.disagg.protocol import Cause
@@ -42,7 +42,7 @@ def _engine(
         role=role,
         cache=CacheConfig(max_total_tokens=4096, index_k_dtype=index_k),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_running_requests=max_running),
-        disagg=DisaggConfig(layers_per_chunk=2, **disagg),
+        disagg=DisaggConfig(**{"layers_per_chunk": 2, "pd_secret": PD_SECRET, **disagg}),
     )
     return Engine(cfg, _src())
 

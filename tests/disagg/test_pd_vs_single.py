@@ -8,11 +8,19 @@ request is left on either side.
 
 from __future__ import annotations
 
+import json
+import secrets
+import socket
+
+import httpx
 import openai
 import pytest
+from fake_peer import FakePeer
 from openai_calls import assert_same_outputs, client, run_specs
 from pd_stack import PDStack, bootstrap_events, metrics
 
+from kvrelay.disagg import handshake as H
+from kvrelay.disagg import protocol as P
 from kvrelay.models.presets import PRESETS
 
 MODEL = "smollm2"
@@ -119,3 +127,44 @@ def test_bad_request_is_a_400_through_the_router(pd):
     with pytest.raises(openai.NotFoundError):
         c.completions.create(model="nope", prompt="hi", max_tokens=2)
     pd.wait_idle()
+
+
+def test_pd_fields_are_taken_only_with_the_routers_signature(pd):
+    """A client that names a decode address itself gets 403 from either server, and nothing
+    connects to that address."""
+    with socket.create_server(("127.0.0.1", 0)) as trap:
+        trap.settimeout(1.0)
+        fields = {"transfer_id": "t-forged", "request_id": "cmpl-forged"}
+        for srv, role in ((pd.prefill, "prefill"), (pd.decode, "decode")):
+            pdf = {"role": role, **fields, "decode_addr": f"127.0.0.1:{trap.getsockname()[1]}"}
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "kvrelay_pd": pdf}
+            data = json.dumps(body).encode()
+            for token in (None, "0" * 64, H.request_token("not-the-secret", data)):
+                headers = {"Content-Type": "application/json"}
+                if token is not None:
+                    headers[H.PD_AUTH_HEADER] = token
+                r = httpx.post(srv.url + "/v1/completions", content=data, headers=headers)
+                assert r.status_code == 403, r.text
+                assert r.json()["error"]["code"] == "pd_auth_failed"
+        with pytest.raises(TimeoutError):
+            trap.accept()
+    pd.wait_idle()
+
+
+def test_an_unauthenticated_transfer_peer_is_refused(pd):
+    """A peer at decode's transfer port without the secret: refused with the cause named to it,
+    counted, and logged by decode."""
+    info = httpx.get(pd.decode.url + "/pd/info").json()
+    before = bootstrap_events(pd.decode.url).get("peer_unauthenticated", 0)
+    peer = FakePeer.connect(info["transfer_addr"])
+    peer.send(P.Hello("intruder", "prefill", info["layout"], H.new_nonce()))
+    assert isinstance(peer.recv(), P.Hello)
+    peer.send(P.Auth(secrets.token_bytes(32)))
+    refusal = peer.recv()
+    assert isinstance(refusal, P.Failure) and refusal.cause == P.Cause.UNAUTHENTICATED
+    assert peer.hung_up()
+    assert bootstrap_events(pd.decode.url)["peer_unauthenticated"] == before + 1
+    assert (
+        "transfer peer refused" in pd.decode.log()
+        and "cause=peer_unauthenticated" in pd.decode.log()
+    )

@@ -102,7 +102,7 @@ def tcp_pair():
     server_rx: queue.Queue = queue.Queue()
     client_rx: queue.Queue = queue.Queue()
     closed: queue.Queue = queue.Queue()
-    srv, cli = TcpTransport(), TcpTransport()
+    srv, cli = TcpTransport(max_payload=64 << 20), TcpTransport(max_payload=64 << 20)
     addr = srv.listen(
         "127.0.0.1",
         0,

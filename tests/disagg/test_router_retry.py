@@ -12,9 +12,11 @@ import httpx
 from fastapi.responses import StreamingResponse
 
 from kvrelay.config import RouterConfig
+from kvrelay.disagg.handshake import PD_AUTH_HEADER, request_token_ok
 from kvrelay.disagg.router import Router
 
 BODY = {"model": "m", "prompt": "hi", "max_tokens": 3, "stream": True}
+SECRET = "router-test-secret"
 
 
 def _event(text: str) -> bytes:
@@ -40,16 +42,20 @@ class Servers:
         self.prefill_done: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self.failed: set[str] = set()
         self.info_version = 0
+        self.auth: set[str | None] = set()  # the Authorization headers the router sent
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         host = request.url.host
         self.calls[(host, request.url.path)] += 1
+        self.auth.add(request.headers.get("authorization"))
         if request.url.path == "/pd/info":
             role = "prefill" if host.startswith("p") else "decode"
             addr = f"{host}:{9000 + self.info_version}"
             return httpx.Response(
                 200, json={"role": role, "instance_id": addr, "transfer_addr": addr}
             )
+        # A real server takes the PD fields only with the router's token over the exact body.
+        assert request_token_ok(SECRET, request.content, request.headers.get(PD_AUTH_HEADER))
         pd = json.loads(request.content)["kvrelay_pd"]
         tid = pd["transfer_id"]
         if pd["role"] == "prefill":
@@ -75,14 +81,15 @@ class Servers:
         return httpx.Response(200, content=stream(), headers={"content-type": "text/event-stream"})
 
 
-def _router(servers: Servers, max_attempts: int = 2) -> Router:
-    r = Router(
-        RouterConfig(
-            prefill=("http://p1", "http://p2"), decode=("http://d1",), max_attempts=max_attempts
-        )
+def _router(servers: Servers, max_attempts: int = 2, api_key: str = "") -> Router:
+    cfg = RouterConfig(
+        prefill=("http://p1", "http://p2"),
+        decode=("http://d1",),
+        max_attempts=max_attempts,
+        pd_secret=SECRET,
+        api_key=api_key,
     )
-    r.client = httpx.AsyncClient(transport=httpx.MockTransport(servers))
-    return r
+    return Router(cfg, transport=httpx.MockTransport(servers))
 
 
 async def _route(r: Router) -> tuple[int, str]:
@@ -138,3 +145,10 @@ def test_first_event_error_keeps_its_status_and_pair_info_is_fetched_again():
     assert status == 200
     assert servers.calls[("d1", "/pd/info")] == 2
     assert r.info["http://d1"].transfer_addr == "d1:9001"
+
+
+def test_the_routers_api_key_goes_to_every_server_call():
+    servers = Servers()
+    status, _ = asyncio.run(_route(_router(servers, api_key="sk-stack")))
+    assert status == 200 and servers.auth == {"Bearer sk-stack"}
+    assert {path for _, path in servers.calls} == {"/pd/info", "/v1/completions"}

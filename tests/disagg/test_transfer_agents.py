@@ -11,28 +11,13 @@ import time
 
 import pytest
 from engine_pair import Pair, pairs
+from engine_pair import dense_engine as _engine
 
-from kvrelay.config import CacheConfig, DisaggConfig, EngineConfig, SchedulerConfig
 from kvrelay.disagg.protocol import Cause
 from kvrelay.engine.engine import Engine, generate
 from kvrelay.engine.messages import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
-
-
-def _engine(role: str, max_total_tokens: int = 4096, **disagg) -> Engine:
-    return Engine(
-        EngineConfig(
-            model="qwen3-tiny",
-            load_format="dummy",
-            role=role,
-            cache=CacheConfig(max_total_tokens=max_total_tokens, page_size=16),
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=32
-            ),  # prompts over 32 tokens are chunked
-            disagg=DisaggConfig(layers_per_chunk=1, **disagg),
-        )
-    )
 
 
 def _prompts() -> list[list[int]]:

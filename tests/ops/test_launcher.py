@@ -89,13 +89,16 @@ class Up:
         pids = [int(m[1]) for ln in self.lines if (m := re.search(rf"child={name} pid=(\d+)", ln))]
         return pids[-1]
 
+    def url_of(self, name: str) -> str:
+        return [m[1] for ln in self.lines if (m := re.search(rf"child={name} .*url=(\S+)", ln))][-1]
+
 
 def _up(log_dir: Path, *args: str) -> Up:
     return Up([sys.executable, "-c", UP, "up", "--port", "0", "--log-dir", str(log_dir), *args])
 
 
-def _chat(url: str) -> str:
-    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+def _chat(url: str, key: str = "unused") -> str:
+    c = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
     r = c.chat.completions.create(
         model="smollm2",
         messages=[{"role": "user", "content": "Name a colour."}],
@@ -114,6 +117,8 @@ def test_build_specs_ports_gpus_and_logs(tmp_path):
         prefill_gpus=_gpus("0-3"),
         decode_gpus=_gpus("4,5"),
         server_args=("--model", "smollm2"),
+        api_key="stack-key",
+        pd_secret="stack-secret",
     )
     p, d, r = build_specs(cfg)
     assert (p.name, d.name, r.name) == ("prefill", "decode", "router")
@@ -123,15 +128,27 @@ def test_build_specs_ports_gpus_and_logs(tmp_path):
     assert r.argv[r.argv.index("--prefill") + 1] == p.url
     assert r.argv[r.argv.index("--decode") + 1] == d.url
     assert {s.log_path.name for s in (p, d, r)} == {"prefill.log", "decode.log", "router.log"}
+    # The secrets reach every child through its environment, never its (world-readable) argv.
+    for s in (p, d, r):
+        assert s.env["KVRELAY_PD_SECRET"] == "stack-secret"
+        assert s.env["KVRELAY_API_KEY"] == "stack-key"
+        assert not any("stack-" in arg for arg in s.argv)
 
 
 def test_up_serves_restarts_decode_and_stops_cleanly(tmp_path):
+    key = "up-test-key"  # `kvrelay up --api-key`: the router asks clients, the servers the router
     up = _up(
-        tmp_path, "--model", "smollm2", "--max-total-tokens", "8192", "--health-timeout", "120"
+        tmp_path,
+        *("--model", "smollm2", "--max-total-tokens", "8192", "--health-timeout", "120"),
+        *("--api-key", key),
     )
     try:
         url = up.wait_for(r"kvrelay up ready: (http://\S+) .*\| try: curl ", 150)[1]
-        assert _chat(url)
+        assert _chat(url, key)  # PD through the stack's generated secret, the key on each hop
+        with pytest.raises(openai.AuthenticationError):
+            _chat(url)
+        with pytest.raises(openai.AuthenticationError):  # the servers want it too
+            _chat(up.url_of("decode"))
         for name in ("prefill", "decode", "router"):
             assert (tmp_path / f"{name}.log").stat().st_size > 0
 
@@ -143,7 +160,7 @@ def test_up_serves_restarts_decode_and_stops_cleanly(tmp_path):
         deadline, last = time.time() + 90, None
         while time.time() < deadline:
             try:
-                assert _chat(url)
+                assert _chat(url, key)
                 break
             except openai.APIError as e:
                 last = e

@@ -51,13 +51,20 @@ CASES = [
         400,
     ),
     ("oversized body", CHAT, _chat(messages=[{"role": "user", "content": "x" * (5 << 20)}]), 413),
+    # Chunked (no Content-Length): read incrementally and refused at the limit, not read whole.
+    (
+        "oversized chunked body",
+        CHAT,
+        iter([b'{"model": "smollm2", "x": "'] + [b"x" * 65536] * 80),
+        413,
+    ),
 ]
 
 
 @pytest.mark.parametrize("name,path,body,status", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_gets_4xx_then_good_request_works(server, name, path, body, status):
     with httpx.Client(base_url=server.url, timeout=60) as c:
-        if isinstance(body, bytes):
+        if not isinstance(body, dict):  # bytes, or an iterator: sent chunked
             r = c.post(path, content=body, headers={"Content-Type": "application/json"})
         else:
             r = c.post(path, json=body)

@@ -16,6 +16,9 @@ Buffer = bytes | bytearray | memoryview
 
 class Connection(ABC):
     peer: str  # "host:port" of the other side
+    # The largest payload a received frame may announce; a larger one closes the connection
+    # before a byte of it is read (or allocated). 0 until the peer is authenticated.
+    max_payload: int = 0
 
     @abstractmethod
     def send(self, header: bytes, buffers: Sequence[Buffer] = ()) -> None:

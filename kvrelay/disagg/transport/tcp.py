@@ -1,6 +1,7 @@
 """TCP backend: works everywhere (the CPU tests use it). One reader thread per connection.
 
 Frame: magic b"KVR1", header length (u32), payload length (u64), header bytes, payload bytes.
+Both lengths are checked against the connection's limits before anything is allocated for them.
 """
 
 from __future__ import annotations
@@ -17,11 +18,15 @@ log = logging.getLogger("kvrelay.disagg.tcp")
 
 MAGIC = b"KVR1"
 _PREFIX = struct.Struct("!4sIQ")
-MAX_HEADER = 1 << 20
+MAX_HEADER = 1 << 20  # the largest header (ReserveAck of a 1M-token prompt: ~330 kB)
 
 
 class FramingError(ConnectionError):
-    pass
+    """A frame this side refuses; `cause` names why (the log line and the close reason say it)."""
+
+    def __init__(self, cause: str, message: str) -> None:
+        super().__init__(f"{cause}: {message}")
+        self.cause = cause
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:
@@ -36,12 +41,20 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def read_frame(sock: socket.socket) -> tuple[bytes, memoryview]:
+def read_frame(
+    sock: socket.socket, max_payload: int, max_header: int = MAX_HEADER
+) -> tuple[bytes, memoryview]:
     magic, hlen, plen = _PREFIX.unpack(_recv_exact(sock, _PREFIX.size))
     if magic != MAGIC:
-        raise FramingError(f"bad frame magic {bytes(magic)!r}")
-    if hlen > MAX_HEADER:
-        raise FramingError(f"frame header of {hlen} bytes is too large")
+        raise FramingError("bad_frame_magic", f"bad frame magic {bytes(magic)!r}")
+    if hlen > max_header:
+        raise FramingError(
+            "frame_header_too_large", f"a {hlen}-byte frame header (limit {max_header})"
+        )
+    if plen > max_payload:
+        raise FramingError(
+            "frame_payload_too_large", f"a {plen}-byte frame payload (limit {max_payload})"
+        )
     header = bytes(_recv_exact(sock, hlen))
     payload = memoryview(_recv_exact(sock, plen)) if plen else memoryview(b"")
     return header, payload
@@ -49,9 +62,14 @@ def read_frame(sock: socket.socket) -> tuple[bytes, memoryview]:
 
 class TcpConnection(Connection):
     def __init__(
-        self, sock: socket.socket, peer: str, on_message: OnMessage, on_close: OnClose
+        self,
+        sock: socket.socket,
+        peer: str,
+        on_message: OnMessage,
+        on_close: OnClose,
+        max_payload: int = 0,
     ) -> None:
-        self.sock, self.peer = sock, peer
+        self.sock, self.peer, self.max_payload = sock, peer, max_payload
         self._on_message, self._on_close = on_message, on_close
         self._lock = threading.Lock()
         self._closed = False
@@ -81,8 +99,11 @@ class TcpConnection(Connection):
         reason = "closed"
         try:
             while True:
-                header, payload = read_frame(self.sock)
+                header, payload = read_frame(self.sock, self.max_payload)
                 self._on_message(self, header, payload)
+        except FramingError as e:
+            log.warning("frame refused peer=%s cause=%s message=%s", self.peer, e.cause, e)
+            reason = str(e)
         except (OSError, ConnectionError) as e:
             reason = str(e) or type(e).__name__
         except Exception as e:  # a handler bug must not leave the peer hanging: drop the connection
@@ -105,8 +126,17 @@ class TcpConnection(Connection):
         self._shutdown("closed locally")
 
 
+def parse_addr(addr: str) -> tuple[str, int]:
+    """Split "host:port"; a malformed address is a ConnectionError that names it."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConnectionError(f"{addr!r} is not a host:port address")
+    return host.strip("[]"), int(port)
+
+
 class TcpTransport(Transport):
-    def __init__(self) -> None:
+    def __init__(self, max_payload: int = 0) -> None:
+        self.max_payload = max_payload  # each new connection's limit until raised
         self._server: socket.socket | None = None
         self._conns: list[TcpConnection] = []
         self._lock = threading.Lock()
@@ -133,15 +163,17 @@ class TcpTransport(Transport):
             except OSError:
                 return
             with self._lock:
-                self._conns.append(TcpConnection(sock, f"{h}:{p}", on_message, on_close))
+                self._conns = [c for c in self._conns if not c.closed]  # refused peers go
+                self._conns.append(
+                    TcpConnection(sock, f"{h}:{p}", on_message, on_close, self.max_payload)
+                )
 
     def connect(
         self, addr: str, on_message: OnMessage, on_close: OnClose, timeout_s: float
     ) -> Connection:
-        host, port = addr.rsplit(":", 1)
-        sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        sock = socket.create_connection(parse_addr(addr), timeout=timeout_s)
         sock.settimeout(None)
-        conn = TcpConnection(sock, addr, on_message, on_close)
+        conn = TcpConnection(sock, addr, on_message, on_close, self.max_payload)
         with self._lock:
             self._conns.append(conn)
         return conn

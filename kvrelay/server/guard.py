@@ -1,0 +1,104 @@
+"""The HTTP front door of the server and the router: the API key, and bounded request bodies.
+
+An ASGI middleware, so that it holds for every route and before any route reads a byte:
+- with an API key set, every path but /health and /metrics needs `Authorization: Bearer KEY`
+  (compared in constant time); anything else gets 401, before the body is read;
+- a body larger than the limit gets 413, whether it announces its length (Content-Length) or not
+  (chunked): the body is read incrementally, and the answer goes out as soon as the limit is
+  passed (the server reads the rest of the body and drops it, so the client gets its 413
+  rather than a reset connection).
+Both answers are OpenAI-format errors.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+
+from kvrelay.server.errors import APIError
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+class HttpGuard:
+    def __init__(
+        self,
+        app,
+        api_key: str = "",
+        max_body_bytes: int = 4 << 20,
+        on_reject: Callable[[int], None] | None = None,
+        open_paths: frozenset[str] = OPEN_PATHS,
+    ) -> None:
+        self.app = app
+        self.key = api_key.encode()
+        self.limit = max_body_bytes
+        self.on_reject = on_reject
+        self.open_paths = open_paths
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.key and scope["path"] not in self.open_paths and not self._key_ok(scope):
+            err = APIError(
+                401,
+                "a valid API key is required: send `Authorization: Bearer KEY`",
+                param=None,
+                code="invalid_api_key",
+            )
+            await self._answer(err, scope, receive, send, {"www-authenticate": "Bearer"})
+            return
+        body, too_large = await self._read_body(scope, receive)
+        if too_large:
+            err = APIError(
+                413, f"request body larger than {self.limit} bytes", code="request_too_large"
+            )
+            await self._answer(err, scope, receive, send, {})
+            return
+        if body is None:  # the client left while sending
+            return
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: the disconnect, when it comes
+
+        await self.app(scope, replay, send)
+
+    def _key_ok(self, scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, key = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.key)
+        return False
+
+    async def _read_body(self, scope, receive) -> tuple[bytes | None, bool]:
+        """(the body, False); (None, True) as soon as it passes the limit; (None, False) when
+        the client disconnected first."""
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
+                return None, True
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return None, False
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                return None, True
+            if chunk:
+                chunks.append(chunk)
+            if not msg.get("more_body", False):
+                return b"".join(chunks), False
+
+    async def _answer(self, err: APIError, scope, receive, send, headers: dict) -> None:
+        if self.on_reject is not None:
+            self.on_reject(err.status)
+        response = err.response()
+        response.headers.update(headers)
+        await response(scope, receive, send)

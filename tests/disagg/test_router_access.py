@@ -1,0 +1,107 @@
+"""Who may use the router, and how much they may send: a real router on a real port (uvicorn, in
+this process) in front of servers that are not there. The API key and the body limit are checked
+before any routing; a router without the PD secret says so instead of routing."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from conftest import free_port
+
+from kvrelay.config import RouterConfig
+from kvrelay.disagg.router import create_router_app
+
+KEY = "sk-router-test"
+LIMIT = 64 << 10
+AUTH = {"Authorization": f"Bearer {KEY}"}
+NOWHERE = ("http://127.0.0.1:9",)  # discard port: nothing listens
+
+
+class RunningRouter:
+    def __init__(self, cfg: RouterConfig) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        app = create_router_app(cfg)
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            assert time.time() < deadline, "router did not start"
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def _router(**kw) -> RunningRouter:
+    cfg = dict(prefill=NOWHERE, decode=NOWHERE, connect_timeout_s=1.0, pd_secret="s")
+    return RunningRouter(RouterConfig(**(cfg | kw)))
+
+
+@pytest.fixture(scope="module")
+def router():
+    r = _router(api_key=KEY, max_body_bytes=LIMIT)
+    yield r
+    r.close()
+
+
+def _error(r: httpx.Response, status: int, code: str) -> None:
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["code"] == code, r.text
+
+
+def test_health_and_metrics_stay_open(router):
+    assert httpx.get(router.url + "/health").status_code == 503  # open, but no servers
+    assert httpx.get(router.url + "/metrics").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "method,path",
+    [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")],
+)
+def test_the_key_is_needed_everywhere_else(router, method, path):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        _error(httpx.request(method, router.url + path, headers=headers), 401, "invalid_api_key")
+    c = openai.OpenAI(base_url=router.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        c.completions.create(model="m", prompt="hi", max_tokens=1)
+
+
+def test_with_the_key_a_request_is_routed(router):
+    """Past the guard: the router tries the (absent) servers and names why it cannot."""
+    body = {"model": "m", "prompt": "hi", "max_tokens": 1}
+    r = httpx.post(router.url + "/v1/completions", json=body, headers=AUTH, timeout=30)
+    _error(r, 503, "prefill_unreachable")
+
+
+def test_bodies_over_the_limit_get_413_chunked_or_not(router):
+    def chunks():
+        yield b'{"model": "m", "prompt": "'
+        for _ in range(4 * LIMIT // 8192):
+            yield b"x" * 8192
+        yield b'"}'
+
+    with httpx.Client(base_url=router.url, headers=AUTH, timeout=30) as c:
+        r = c.post("/v1/completions", content=chunks())
+        assert "content-length" not in r.request.headers
+        _error(r, 413, "request_too_large")
+        _error(c.post("/v1/chat/completions", content=b"x" * (LIMIT + 1)), 413, "request_too_large")
+        _error(c.post("/v1/completions", content=b"[1]"), 400, "bad_request")  # still serving
+
+
+def test_a_router_without_a_pd_secret_refuses_to_route():
+    r = _router(pd_secret="")
+    try:
+        body = {"model": "m", "prompt": "hi", "max_tokens": 1}
+        _error(httpx.post(r.url + "/v1/completions", json=body), 503, "pd_secret_missing")
+    finally:
+        r.close()
