@@ -33,13 +33,17 @@ SWEEP = [
     for a in (True, False)
     for nw in (4, 8)
     for ns in (2, 3)
+] + [  # programs per row: tiles of BLOCK_N per program (default: about 8 programs per SM)
+    {"BLOCK_N": 64, "KEYS_AS_A": True, "num_warps": 4, "num_stages": 3, "TILES": t}
+    for t in (1, 2, 4, 8, 16, 32)
 ]
 
 SELECT_SWEEP = [
     {"BLOCK": b, "RADIX_BITS": r, "num_warps": nw}
-    for b in (1024, 2048, 4096)
+    for b in (1024, 2048, 4096, 8192)
     for r in (4, 8)
-    for nw in (4, 8, 16)
+    for nw in (4, 8, 16, 32)
+    if b // (32 * nw) in (4, 8, 16, 32)  # elements per thread
 ]
 
 

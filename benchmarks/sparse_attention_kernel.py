@@ -8,7 +8,9 @@ CUDA-graph replay time (triton.testing.do_bench, L2 flushed; eager beside it), a
 time at T=1 and 64. Prefill: T=4096 query rows of one sequence, TFLOP/s against ~720 (bf16
 matmul measured on the H200), with every entry valid (random) and with the causal lists of a
 real prompt (window t-127..t, top-512 of the compressed entries visible at t, -1 padded).
-Sweeps (--sweep): split counts per batch, and tile configs (BLOCK_N, num_stages).
+Sweeps (--sweep): split counts per batch, and tile configs (DV_SPLIT, BLOCK_N, num_stages),
+each with its error against the reference. --config '{"DV_SPLIT": 2, "num_warps": 4}' runs
+the main tables with a tile override.
 
     python benchmarks/sparse_attention_kernel.py [--out benchmarks/results/sparse_attention_kernel.json]
 """
@@ -30,7 +32,15 @@ HBM_GBS = 4200.0
 PEAK_TFLOPS = 720.0
 # Kb -> (label, compressed entries per sequence in the pool)
 KB_CASES = {512: ("CSA 32k", 8192), 32: ("HCA 4k", 32), 256: ("HCA 32k", 256)}
-SWEEP_CONFIGS = [{"BLOCK_N": bn, "num_stages": st} for bn in (16, 32, 64) for st in (2, 3, 4, 5)]
+SWEEP_CONFIGS = [
+    {"DV_SPLIT": 1, "num_warps": 8, "BLOCK_N": bn, "num_stages": st}
+    for bn in (16, 32, 64)
+    for st in (2, 3, 4)
+] + [
+    {"DV_SPLIT": 2, "num_warps": 4, "BLOCK_N": bn, "num_stages": st}
+    for bn in (16, 32, 64)
+    for st in (2, 3)
+]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -40,6 +50,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kb", default="512,32,256", help="compressed entries per query row")
     p.add_argument("--prefill-len", type=int, default=4096, help="prefill query rows")
     p.add_argument("--sweep", action="store_true", help="also sweep split counts and tiles")
+    p.add_argument("--config", type=json.loads, default=None, help="tile override (JSON)")
     return p.parse_args(argv)
 
 
@@ -115,7 +126,7 @@ def _graph_ms(fn) -> float:
     return do_bench(graph.replay, return_mode="median")
 
 
-def bench_decode(t: int, kb: int, with_reference: bool) -> dict:
+def bench_decode(t: int, kb: int, with_reference: bool, config: dict | None) -> dict:
     from triton.testing import do_bench
 
     from kvrelay.kernels.triton_sparse_attention import sparse_mqa, sparse_mqa_splits
@@ -125,7 +136,7 @@ def bench_decode(t: int, kb: int, with_reference: bool) -> dict:
     args = _decode_inputs(t, kb, per_seq, gen)
     scale = D**-0.5
     out = torch.full_like(args[0], float("nan"))
-    fn = lambda: sparse_mqa(*args, scale, out=out)
+    fn = lambda: sparse_mqa(*args, scale, out=out, config=config)
     ms = _graph_ms(fn)
     eager_ms = do_bench(fn, return_mode="median")
     ref_fn = _reference(args, scale)
@@ -153,7 +164,7 @@ def bench_decode(t: int, kb: int, with_reference: bool) -> dict:
     return row
 
 
-def bench_prefill(t: int, causal: bool) -> dict:
+def bench_prefill(t: int, causal: bool, config: dict | None) -> dict:
     from triton.testing import do_bench
 
     from kvrelay.kernels.triton_sparse_attention import sparse_mqa
@@ -162,7 +173,7 @@ def bench_prefill(t: int, causal: bool) -> dict:
     args = _prefill_inputs(t, causal, gen)
     scale = D**-0.5
     out = torch.empty_like(args[0])
-    ms = do_bench(lambda: sparse_mqa(*args, scale, out=out), return_mode="median")
+    ms = do_bench(lambda: sparse_mqa(*args, scale, out=out, config=config), return_mode="median")
     ref = _reference(args, scale)()
     valid = int((args[2] >= 0).sum() + (args[4] >= 0).sum())
     listed = t * (KA + args[4].shape[1])
@@ -178,7 +189,7 @@ def bench_prefill(t: int, causal: bool) -> dict:
     }
 
 
-def sweep_splits(batches: list[int]) -> list[dict]:
+def sweep_splits(batches: list[int], config: dict | None) -> list[dict]:
     """Graph-replay time per forced split count, CSA decode (Ka=128, Kb=512)."""
     from kvrelay.kernels.triton_sparse_attention import sparse_mqa, sparse_mqa_splits
 
@@ -190,7 +201,7 @@ def sweep_splits(batches: list[int]) -> list[dict]:
         default = sparse_mqa_splits(t, KA + 512, H, args[0].device)[1]
         times = {}
         for s in (1, 2, 3, 4, 5, 6, 8, 10, 14, 20):
-            fn = lambda s=s, a=args, o=out: sparse_mqa(*a, D**-0.5, num_splits=s, out=o)
+            fn = lambda s=s, a=args, o=out: sparse_mqa(*a, D**-0.5, s, o, config)
             times[s] = _graph_ms(fn)
         best = min(times, key=times.get)
         rows.append(
@@ -219,18 +230,22 @@ def sweep_configs(cases: list[tuple[int, int]], prefill_len: int) -> list[dict]:
     for name, args in work:
         out = torch.empty_like(args[0])
         times = {}
+        ref = _reference(args, D**-0.5)()
+        errors = {}
         for cfg in SWEEP_CONFIGS:
-            key = f"BN{cfg['BLOCK_N']}-st{cfg['num_stages']}"
+            key = f"dv{cfg['DV_SPLIT']}-n{cfg['BLOCK_N']}-st{cfg['num_stages']}"
             fn = lambda cfg=cfg, a=args, o=out: sparse_mqa(*a, D**-0.5, out=o, config=cfg)
             try:
                 if name.startswith("decode"):
                     times[key] = _graph_ms(fn) * 1e3
                 else:
                     times[key] = do_bench(fn, return_mode="median") * 1e3
+                errors[key] = _rel_err(out, ref)
             except Exception as e:  # e.g. out of shared memory: record and go on
                 times[key] = f"{type(e).__name__}: {str(e)[:120]}"
         ok = {k: v for k, v in times.items() if isinstance(v, float)}
-        rows.append({"case": name, "best": min(ok, key=ok.get) if ok else None, "us": times})
+        best = min(ok, key=ok.get) if ok else None
+        rows.append({"case": name, "best": best, "us": times, "rel_err": errors})
     return rows
 
 
@@ -243,8 +258,9 @@ def main(argv: list[str] | None = None) -> int:
 
     batches = [int(b) for b in args.batches.split(",")]
     kbs = [int(k) for k in args.kb.split(",")]
-    decode = [bench_decode(t, kb, t in (1, 64)) for kb in kbs for t in batches]
-    prefill = [bench_prefill(args.prefill_len, False), bench_prefill(args.prefill_len, True)]
+    cfg = args.config
+    decode = [bench_decode(t, kb, t in (1, 64), cfg) for kb in kbs for t in batches]
+    prefill = [bench_prefill(args.prefill_len, c, cfg) for c in (False, True)]
     result = {
         "benchmark": "sparse_attention_kernel",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -256,18 +272,19 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(),
         },
         "shape": {"heads": H, "head_dim": D, "Ka": KA, "dtype": "bfloat16"},
+        "config_override": cfg,
         "ceilings": {"hbm_gb_per_s": HBM_GBS, "bf16_tflops": PEAK_TFLOPS},
         "decode": decode,
         "prefill": prefill,
     }
     if args.sweep:
-        result["sweep_splits"] = sweep_splits([t for t in batches if t <= 128])
+        result["sweep_splits"] = sweep_splits([t for t in batches if t <= 128], cfg)
         result["sweep_configs"] = sweep_configs([(64, 512), (256, 512), (8, 512)], args.prefill_len)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
 
-    print(f"sparse MQA decode  H={H} D={D} bf16 Ka={KA}; graph replay, L2 flushed")
+    print(f"sparse MQA decode  H={H} D={D} bf16 Ka={KA} config={cfg}; graph replay, L2 flushed")
     print(
         f"{'case':>8} {'T':>4} {'Kb':>4} {'splits':>6} {'us':>7} {'eager':>7} {'GB/s':>6} "
         f"{'%HBM':>5} {'TFLOP/s':>7} {'ref us':>7} {'err':>7}"
@@ -293,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         us = " ".join(
             f"{k}:{v:.1f}" if isinstance(v, float) else f"{k}:ERR" for k, v in c["us"].items()
         )
-        print(f"tiles {c['case']}: best {c['best']} | {us}")
+        worst = max(c["rel_err"].values(), default=float("nan"))
+        print(f"tiles {c['case']}: best {c['best']} (worst err {worst:.1e}) | {us}")
     print(f"wrote {out}")
     return 0
 

@@ -202,6 +202,13 @@ def check_select(gen: torch.Generator, t_count: int, n_cols: int, topk: int) -> 
     n_vis = torch.randint(0, n_cols + 1, (t_count,), generator=gen)
     n_vis[:4] = torch.tensor([n_cols, n_cols, n_cols, 0])
     n_vis[4] = min(topk - 1, n_cols)
+    # Row 5: exactly topk values in [2, 4), 2.0 among them, the rest 0.3: the radix select is
+    # done after its first digit, and the key of 2.0 equals the picked prefix.
+    top = torch.randperm(n_cols, generator=gen)[:topk]
+    s[5] = 0.3
+    s[5, top] = 2.0 + torch.randint(0, 4, (topk,), generator=gen).float() / 2
+    s[5, top[0]] = 2.0
+    n_vis[5] = n_cols
     masked = s.masked_fill(torch.arange(n_cols)[None, :] >= n_vis[:, None], float("-inf"))
     ref = select_reference(masked, topk)
     # Garbage past n_visible must not matter.
@@ -303,8 +310,9 @@ def compile_report() -> None:
     sel_sig = {"s_ptr": "*fp32", "nvis_ptr": "*i32", "out_ptr": "*i64"}
     sel_sig.update({a: "i32" for a in ("n_cols", "k", "stride_st", "stride_ot")})
     sel_sig.update({a: "constexpr" for a in ("BLOCK", "K_BLOCK", "RADIX_BITS")})
+    extra = [{"BLOCK": 8192, "RADIX_BITS": r, "num_warps": w} for r in (4, 8) for w in (16, 32)]
     for n_cols in (40, 1024, 4096, 16384):
-        for cfg in [ti._select_config(n_cols, 512), *SELECT_CONFIGS]:
+        for cfg in [ti._select_config(n_cols, 512), *SELECT_CONFIGS, *extra]:
             cfg = dict(cfg)
             opts = {"num_warps": cfg.pop("num_warps")}
             const = {"K_BLOCK": 512, **cfg}
@@ -329,8 +337,8 @@ def main() -> int:
     _patch_interpreter_for_numpy_2_4()
     gen = torch.Generator().manual_seed(0)
     check_select(gen, 6, 40, 8)
-    check_select(gen, 5, 700, 64)
-    check_select(gen, 5, 5000, 512)  # several BLOCK chunks per pass
+    check_select(gen, 6, 700, 64)
+    check_select(gen, 6, 5000, 512)  # several BLOCK chunks per pass
     check_visible_minus_one(gen)
     tiny = {"n_entries": [40, 13, 1, 0], "tokens_per_seq": [5, 4, 2, 2], "h": 4, "d": 32}
     for dtype in (torch.float32, torch.float16):

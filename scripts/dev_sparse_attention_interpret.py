@@ -89,11 +89,13 @@ def _patch_interpreter_for_numpy_2_4() -> None:
 # (dtype, H, D, Ka, Kb, splits): the real model (CSA decode split / prefill direct), the tiny
 # test model, 16 heads (TP4 of the real model), an fp32 oracle run.
 SM90_CASES = [
-    ("bf16", 64, 512, 128, 512, 4),
-    ("bf16", 64, 512, 128, 512, 1),
-    ("bf16", 4, 96, 16, 8, 2),
-    ("bf16", 16, 512, 128, 512, 2),
-    ("fp32", 64, 512, 128, 512, 2),
+    ("bf16", 64, 512, 128, 512, 4, {}),
+    ("bf16", 64, 512, 128, 512, 1, {}),
+    ("bf16", 64, 512, 128, 512, 4, {"DV_SPLIT": 2, "num_warps": 4}),
+    ("bf16", 64, 512, 128, 512, 4, {"BLOCK_N": 64}),
+    ("bf16", 4, 96, 16, 8, 2, {}),
+    ("bf16", 16, 512, 128, 512, 2, {}),
+    ("fp32", 64, 512, 128, 512, 2, {}),
 ]
 
 
@@ -108,10 +110,11 @@ def sm90_report() -> int:
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
     fn = k._sparse_split_kernel
     names = fn.arg_names
-    for dt, h, d, ka, kb, splits in SM90_CASES:
+    for dt, h, d, ka, kb, splits, override in SM90_CASES:
         torch_dt = torch.bfloat16 if dt == "bf16" else torch.float32
-        cfg = k._split_config(torch_dt, h, d)
+        cfg = {**k._split_config(torch_dt, h, d), **override}
         opts = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
+        cfg["BLOCK_DV"] = cfg.pop("BLOCK_D") // cfg["DV_SPLIT"]
         chunk, _ = k._chunk_for(ka + kb, splits, cfg["BLOCK_N"])
         dot = k._dot_precision(torch_dt)
         consts = {"HEAD_DIM": d, "DIRECT": splits == 1, "ALIGNED": True, "DOT_PREC": dot, **cfg}
@@ -186,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     worst, failed = 0.0, 0
     for t, h, d, ka, kb in cases:
         for dtype in dtypes:
-            for idx_dtype in (torch.int32, torch.int64):
+            for idx_dtype, dv in ((torch.int32, 1), (torch.int64, 1), (torch.int32, 2)):
                 for splits in (None, 1, 2, 5):
                     q, kv_a, idx_a, kv_b, idx_b, sinks = make_inputs(
                         t, h, d, ka, kb, dtype, idx_dtype, gen
@@ -194,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                     scale = d**-0.5
                     out = torch.full_like(q, float("nan"))
                     t0 = time.perf_counter()
-                    sparse_mqa(q, kv_a, idx_a, kv_b, idx_b, sinks, scale, splits, out=out)
+                    cfg = {"DV_SPLIT": dv}
+                    sparse_mqa(q, kv_a, idx_a, kv_b, idx_b, sinks, scale, splits, out, cfg)
                     dt = time.perf_counter() - t0
                     ref = reference(q, kv_a, idx_a, kv_b, idx_b, sinks, scale)
                     err = ((out.double() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
@@ -205,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                     failed += not ok
                     print(
                         f"{'ok  ' if ok else 'FAIL'} T={t} H={h} D={d} Ka={ka} Kb={kb} "
-                        f"{str(dtype)[6:]:>7} {str(idx_dtype)[6:]} splits={splits} "
+                        f"{str(dtype)[6:]:>7} {str(idx_dtype)[6:]} dv={dv} splits={splits} "
                         f"rel={err:.2e} ({dt:.1f}s)"
                     )
     print(f"{failed} failed; worst fp32 rel error {worst:.2e}")

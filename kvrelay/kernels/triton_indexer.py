@@ -136,8 +136,8 @@ def _radix_pass(
 ):
     """One BITS-wide digit (bits SHIFT .. SHIFT + BITS - 1) of the radix select. Candidates:
     choosable keys whose bits above the digit equal prefix's; `rem` of them are still to be
-    chosen. Returns the prefix extended by the digit of the rem-th largest candidate, rem minus
-    the candidates above that digit, and the number of candidates."""
+    chosen. Returns the prefix extended by the digit `pick` of the rem-th largest candidate,
+    rem minus the candidates above pick, the candidates at pick, and all candidates."""
     bins = tl.arange(0, 1 << BITS)
     hist = tl.zeros([1 << BITS], dtype=tl.int32)
     for start in range(0, n, BLOCK):
@@ -149,11 +149,11 @@ def _radix_pass(
             m = m & ((key >> (SHIFT + BITS)) == (prefix >> (SHIFT + BITS)))
         digit = ((key >> SHIFT) & ((1 << BITS) - 1)).to(tl.int32)
         hist += tl.histogram(digit, 1 << BITS, mask=m)
-    total = tl.sum(hist, axis=0)
-    ge = total - tl.cumsum(hist, axis=0) + hist  # candidates whose digit is >= the bin
+    ge = tl.cumsum(hist, axis=0, reverse=True)  # candidates whose digit is >= the bin
     pick = tl.max(tl.where(ge >= rem, bins, 0), axis=0)
+    at_pick = tl.sum(tl.where(bins == pick, hist, 0), axis=0)
     above = tl.sum(tl.where(bins > pick, hist, 0), axis=0)
-    return prefix | (pick.to(tl.int64) << SHIFT), rem - above, total
+    return prefix | (pick.to(tl.int64) << SHIFT), rem - above, at_pick, tl.max(ge, axis=0)
 
 
 @_jit
@@ -173,12 +173,17 @@ def _select_kernel(
     t = tl.program_id(0).to(tl.int64)
     n = tl.maximum(tl.minimum(tl.load(nvis_ptr + t).to(tl.int32), n_cols), 0)
     row_ptr = s_ptr + t * stride_st
-    prefix, rem, valid = _radix_pass(row_ptr, n, 0, k, 32 - RADIX_BITS, True, RADIX_BITS, BLOCK)
+    shift = 32 - RADIX_BITS
+    prefix, rem, at_pick, valid = _radix_pass(row_ptr, n, 0, k, shift, True, RADIX_BITS, BLOCK)
+    # Later digits only while the picked digit's candidates are not all needed: once they
+    # are (usual for continuous scores after 2-3 digits), the keys > prefix (its lower bits
+    # are 0) and the `rem` keys == prefix are exactly the keys >= prefix.
     for p in tl.static_range(2, 32 // RADIX_BITS + 1):
-        prefix, rem, _ = _radix_pass(
-            row_ptr, n, prefix, rem, 32 - RADIX_BITS * p, False, RADIX_BITS, BLOCK
-        )
-    # At most k choosable entries: take them all (thr 0, none of the ties).
+        if rem < at_pick:
+            prefix, rem, at_pick, _ = _radix_pass(
+                row_ptr, n, prefix, rem, 32 - RADIX_BITS * p, False, RADIX_BITS, BLOCK
+            )
+    # Chosen: keys > thr, and the first `need` keys == thr. At most k choosable entries: all.
     take_all = valid <= k
     thr = tl.where(take_all, 0, prefix)
     need = tl.where(take_all, 0, rem)
@@ -192,10 +197,11 @@ def _select_kernel(
         eq = ok & (key == thr)
         eq_i = eq.to(tl.int32)
         # Ties at the threshold: the lowest entries first (the reference's stable sort).
-        sel = (key > thr) | (eq & (n_eq + tl.cumsum(eq_i, axis=0) - eq_i < need))
+        # key > 0: never an entry that cannot be chosen, whatever thr is.
+        sel = (key > 0) & ((key > thr) | (eq & (n_eq + tl.cumsum(eq_i, axis=0) - eq_i < need)))
         sel_i = sel.to(tl.int32)
         pos = n_sel + tl.cumsum(sel_i, axis=0) - sel_i
-        tl.store(out_row + pos, e.to(tl.int64), mask=sel)
+        tl.store(out_row + pos, e.to(tl.int64), mask=sel & (pos < k))  # never past the row
         n_eq += tl.sum(eq_i, axis=0)
         n_sel += tl.sum(sel_i, axis=0)
     for start in range(0, k, K_BLOCK):

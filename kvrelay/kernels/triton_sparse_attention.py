@@ -11,7 +11,8 @@ Split-K: the row's entry list (a then b) is cut into chunks of whole tiles, one 
 (query row, chunk, head block), each an online softmax; a combine kernel merges the partial
 (max, sum, acc) and adds the sink exp(sink_h) to the denominator. With one chunk per row the
 split kernel finishes the row itself. Grid and scratch depend on shapes only (no host syncs,
-CUDA-graph safe).
+CUDA-graph safe). Option DV_SPLIT=2: two programs (one warpgroup each) share a row and
+chunk, each owning half of the output columns; both compute the full logits.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def _attend_entries(
     l_i,
     m_i,
     q,
+    q_other,
+    col0,
     kv_a_ptr,
     idx_a_row_ptr,
     kv_b_ptr,
@@ -54,15 +57,21 @@ def _attend_entries(
     end,
     qk_scale,
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    DV_SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ALIGNED: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     """Online softmax over positions [start, end) of the row's entry list: position n < len_a
     is entry idx_a[n] of source a, position n >= len_a is entry idx_b[n - len_a] of source b.
-    One loop over both sources: no pipeline drain between them, tiles may straddle."""
-    d = tl.arange(0, BLOCK_D)
+    One loop over both sources: no pipeline drain between them, tiles may straddle.
+
+    acc holds output columns [col0, col0 + BLOCK_DV) and q the same columns of the query.
+    With DV_SPLIT == 2, q_other holds the other half of the query's columns and the logits
+    add the products of both halves."""
+    d = col0 + tl.arange(0, BLOCK_DV)
+    d_other = (BLOCK_DV - col0) + tl.arange(0, BLOCK_DV)  # the other half (DV_SPLIT == 2)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         in_a = n < len_a
@@ -75,13 +84,18 @@ def _attend_entries(
             # Both pools have 16-byte aligned rows (checked on the host). Unless len_a is a
             # multiple of 16 the select hides that, and the gather would load 2 bytes at a time.
             rows = tl.multiple_of(rows, 16)
-        ptrs = rows[:, None] + d[None, :]
-        if BLOCK_D == HEAD_DIM:
-            kv = tl.load(ptrs, mask=valid[:, None], other=0.0)
+        if BLOCK_DV * DV_SPLIT == HEAD_DIM:
+            kv = tl.load(rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         else:
-            kv = tl.load(ptrs, mask=valid[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+            kv_ok = valid[:, None] & (d[None, :] < HEAD_DIM)
+            kv = tl.load(rows[:, None] + d[None, :], mask=kv_ok, other=0.0)
         # K = V: one load feeds both products, for every head.
-        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PREC) * qk_scale
+        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PREC)
+        if DV_SPLIT == 2:
+            kv_o_ok = valid[:, None] & (d_other[None, :] < HEAD_DIM)
+            kv_o = tl.load(rows[:, None] + d_other[None, :], mask=kv_o_ok, other=0.0)
+            s = tl.dot(q_other, tl.trans(kv_o), s, input_precision=DOT_PREC)
+        s = s * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -119,34 +133,45 @@ def _sparse_split_kernel(
     chunk,
     num_splits,
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    DV_SPLIT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,
     ALIGNED: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    # One program: all BLOCK_H heads of head block hb of query row t, over the entries at
-    # positions [split * chunk, (split + 1) * chunk) of the row's list (source a, then b).
-    t = tl.program_id(0).to(tl.int64)
+    # One program: all BLOCK_H heads of head block hb of query row t, output columns
+    # [col0, col0 + BLOCK_DV), over the entries at positions [split * chunk, (split + 1) *
+    # chunk) of the row's list (source a, then b). The DV_SPLIT programs of one row and split
+    # are adjacent in launch order: the second finds the gathered rows in L2.
+    t = (tl.program_id(0) // DV_SPLIT).to(tl.int64)
+    col0 = (tl.program_id(0) % DV_SPLIT) * BLOCK_DV
     split = tl.program_id(1)
     hb = tl.program_id(2)
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < num_heads
-    d = tl.arange(0, BLOCK_D)
+    d = col0 + tl.arange(0, BLOCK_DV)
     d_ok = d < HEAD_DIM
-    q_off = t * stride_qt + h * stride_qh
-    q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    q_row = q_ptr + (t * stride_qt + h * stride_qh)[:, None]
+    q = tl.load(q_row + d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    if DV_SPLIT == 2:
+        d_other = (BLOCK_DV - col0) + tl.arange(0, BLOCK_DV)
+        q_ok = h_ok[:, None] & (d_other[None, :] < HEAD_DIM)
+        q_other = tl.load(q_row + d_other[None, :], mask=q_ok, other=0.0)
+    else:
+        q_other = q  # unused
 
     # Finite start: a split without any valid entry keeps l = 0 and never makes NaN.
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     acc, l_i, m_i = _attend_entries(
-        acc, l_i, m_i, q, kv_a_ptr, idx_a_ptr + t * stride_ia, kv_b_ptr, idx_b_ptr + t * stride_ib,
+        acc, l_i, m_i, q, q_other, col0,
+        kv_a_ptr, idx_a_ptr + t * stride_ia, kv_b_ptr, idx_b_ptr + t * stride_ib,
         stride_kva, stride_kvb, len_a, split * chunk,
         tl.minimum(split * chunk + chunk, len_a + len_b), qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, ALIGNED, DOT_PREC,
+        HEAD_DIM, BLOCK_DV, DV_SPLIT, BLOCK_N, ALIGNED, DOT_PREC,
     )  # fmt: skip
 
     mask = h_ok[:, None] & d_ok[None, :]
@@ -161,8 +186,9 @@ def _sparse_split_kernel(
     else:
         # Partials [T, splits, H, (D)]: unnormalized acc, running max (log2 units) and sum.
         row = (t * num_splits + split) * num_heads + h
-        tl.store(part_m_ptr + row, m_i, mask=h_ok)
-        tl.store(part_l_ptr + row, l_i, mask=h_ok)
+        first = h_ok & (col0 == 0)  # every column block has the same max and sum
+        tl.store(part_m_ptr + row, m_i, mask=first)
+        tl.store(part_l_ptr + row, l_i, mask=first)
         tl.store(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=mask)
 
 
@@ -229,6 +255,13 @@ def _split_config(dtype: torch.dtype, num_heads: int, head_dim: int) -> dict[str
     interpret.py --sm90). BLOCK_N=64 gives wider QK instructions but spills.
     fp32 (tests, oracle runs): "ieee" dots run on CUDA cores; 16 heads a program keeps the
     [16, 512] fp32 q and accumulator small (kv rows are re-read per head block, from L2).
+
+    Measured on the H200 (benchmarks/sparse_attention_kernel.py): ~3.5-4.3 us per 32-entry
+    tile per SM, far above its bytes. Triton gives the logits product of a chained dot all 8
+    warps along M, so with 64 heads both warpgroups compute the same [64, 32] logits with
+    m64n16 instructions. DV_SPLIT=2 with num_warps=4 (one warpgroup a program, half the
+    output columns each) makes them m64n{BLOCK_N} without that duplication inside a program
+    (ptxas: no spills at BLOCK_N=32); the benchmark's --sweep compares the two.
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     if dtype == torch.float32:
@@ -240,6 +273,7 @@ def _split_config(dtype: torch.dtype, num_heads: int, head_dim: int) -> dict[str
         "BLOCK_D": block_d,
         "BLOCK_H": block_h,
         "BLOCK_N": block_n,
+        "DV_SPLIT": 1,
         "num_warps": 8 if block_h * block_d >= 16 * 512 else 4,
         "num_stages": 3,
     }
@@ -355,7 +389,10 @@ def sparse_mqa(
         return out
 
     cfg = {**_split_config(q.dtype, num_heads, head_dim), **(config or {})}
-    block_d, block_h, block_n = cfg["BLOCK_D"], cfg["BLOCK_H"], cfg["BLOCK_N"]
+    block_d, block_h, block_n = cfg.pop("BLOCK_D"), cfg["BLOCK_H"], cfg["BLOCK_N"]
+    dv_split = cfg["DV_SPLIT"]
+    if dv_split not in (1, 2):
+        raise ValueError(f"DV_SPLIT must be 1 or 2, got {dv_split}")
     if num_splits is None:
         chunk, splits = sparse_mqa_splits(num_rows, len_a + len_b, num_heads, q.device, block_n)
     else:
@@ -368,14 +405,16 @@ def sparse_mqa(
         part_o = torch.empty((num_rows, splits, num_heads, head_dim), **f32)
         part_m = torch.empty((num_rows, splits, num_heads), **f32)
         part_l = torch.empty((num_rows, splits, num_heads), **f32)
-    _sparse_split_kernel[(num_rows, splits, triton.cdiv(num_heads, block_h))](
+    grid = (num_rows * dv_split, splits, triton.cdiv(num_heads, block_h))
+    _sparse_split_kernel[grid](
         q, kv_a, idx_a, kv_b, idx_b, sinks, out, part_o, part_m, part_l,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         kv_a.stride(0), idx_a.stride(0), kv_b.stride(0), idx_b.stride(0),
         out.stride(0), out.stride(1),
         num_heads, len_a, len_b, chunk, splits,
-        HEAD_DIM=head_dim, DIRECT=direct, ALIGNED=_aligned(kv_a) and _aligned(kv_b),
+        HEAD_DIM=head_dim, BLOCK_DV=block_d // dv_split,
+        DIRECT=direct, ALIGNED=_aligned(kv_a) and _aligned(kv_b),
         DOT_PREC=_dot_precision(q.dtype), **cfg,
     )  # fmt: skip
     if not direct:

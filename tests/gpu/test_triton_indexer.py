@@ -163,7 +163,8 @@ def _check(x: dict, topk: int, mode: str, msg: str, selects=("triton", "torch"))
     if exact:
         assert torch.equal(scores[vis], ref_scores[vis]), f"{msg}: exact scores differ"
     elif bool(vis.any()):
-        err = (scores[vis] - ref_scores[vis]).double().norm() / ref_scores[vis].double().norm()
+        ref_norm = ref_scores[vis].double().norm().clamp(min=1e-30)  # all-0.0 rows happen
+        err = (scores[vis] - ref_scores[vis]).double().norm() / ref_norm
         assert err < 1e-5, f"{msg}: score rel err {err}"
     # The selection alone, on the kernel's own scores, follows the reference rule exactly.
     sel_ref = select_reference(scores, topk)
@@ -241,9 +242,9 @@ def test_select_crafted_scores():
     garbage (NaN) past n_visible, at N spanning several select blocks."""
     seed = _seed()
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    neg_nan = torch.tensor([-4194304], dtype=torch.int32).view(torch.float32)
+    neg_nan = torch.tensor([-4194304], dtype=torch.int32, device="cuda").view(torch.float32)
     vals = torch.tensor([0.0, -0.0, 1.0, -1.0, 2.5, float("inf"), float("-inf"), float("nan")])
-    vals = torch.cat([vals, neg_nan]).cuda()
+    vals = torch.cat([vals.cuda(), neg_nan])
     for t_count, n_cols, topk in [(6, 40, 8), (16, 700, 64), (16, 5000, 512), (8, 16384, 512)]:
         pick = torch.randint(0, len(vals) + 3, (t_count, n_cols), generator=gen, device="cuda")
         rnd = torch.randn(t_count, n_cols, generator=gen, device="cuda").round(decimals=1)
@@ -253,7 +254,13 @@ def test_select_crafted_scores():
         half = torch.arange(n_cols // 2, device="cuda") % 2 == 0
         s[2, : n_cols // 2] = torch.where(half, float("nan"), neg_nan)
         n_vis = torch.randint(0, n_cols + 1, (t_count,), generator=gen, device="cuda")
-        n_vis[:5] = torch.tensor([n_cols, n_cols, n_cols, 0, min(topk - 1, n_cols)])
+        n_vis[:6] = torch.tensor([n_cols, n_cols, n_cols, 0, min(topk - 1, n_cols), n_cols])
+        # Row 5: exactly topk values in [2, 4), 2.0 among them, the rest 0.3: the radix select
+        # is done after its first digit, and the key of 2.0 equals the picked prefix.
+        top = torch.randperm(n_cols, generator=gen, device="cuda")[:topk]
+        s[5] = 0.3
+        s[5, top] = 2.0 + torch.randint(0, 4, (topk,), generator=gen, device="cuda").float() / 2
+        s[5, top[0]] = 2.0
         cols = torch.arange(n_cols, device="cuda")[None, :]
         ref = select_reference(s.masked_fill(cols >= n_vis[:, None], float("-inf")), topk)
         junk = torch.where(cols >= n_vis[:, None], float("nan"), s)

@@ -121,6 +121,34 @@ def test_forced_splits(num_splits, dtype):
     _check(_run(args, scale, num_splits=num_splits), args, scale, dtype)
 
 
+# Tile configs the benchmark sweeps besides the default (see _split_config).
+CONFIGS = [
+    {"DV_SPLIT": 2, "num_warps": 4},
+    {"DV_SPLIT": 2, "num_warps": 4, "BLOCK_N": 16},
+    {"DV_SPLIT": 2, "num_warps": 4, "BLOCK_N": 64, "num_stages": 2},
+    {"BLOCK_N": 64},
+    {"BLOCK_N": 16, "num_stages": 2},
+]
+CONFIG_IDS = ["dv2", "dv2-n16", "dv2-n64", "n64", "n16-st2"]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize(
+    "shape", [(64, 64, 512, 128, 512), (300, 64, 512, 128, 512), (5, 4, 96, 16, 8)],
+    ids=["csa-decode64", "prefill300", "tiny"],
+)  # fmt: skip
+def test_tile_configs(shape, config):
+    t, h, d, ka, kb = shape
+    args = _inputs(t, h, d, ka, kb, torch.bfloat16)
+    _check(_run(args, d**-0.5, config=config), args, d**-0.5, torch.bfloat16)
+
+
+def test_dv_split_fp32():
+    args = _inputs(6, 64, 512, 100, 300, torch.float32)
+    out = _run(args, 512**-0.5, num_splits=3, config={"DV_SPLIT": 2})
+    _check(out, args, 512**-0.5, torch.float32)
+
+
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
 def test_index_dtypes_and_dominant_sinks(idx_dtype):
     args = _inputs(8, 64, 512, 128, 256, torch.bfloat16, idx_dtype, big_sinks=True)
@@ -151,9 +179,13 @@ def test_all_empty_and_zero_rows():
     assert sparse_mqa(q[:0], kv_a, idx_a[:0], kv_b, idx_b[:0], sinks, 0.1).shape == (0, 4, 96)
 
 
-@pytest.mark.parametrize("shape", [(1, 64, 512, 128, 512), (64, 64, 512, 128, 512),
-                                   (5, 4, 96, 16, None)], ids=["t1", "t64", "tiny-sliding"])  # fmt: skip
-def test_cuda_graph_replay(shape):
+@pytest.mark.parametrize(
+    "shape,config",
+    [((1, 64, 512, 128, 512), None), ((64, 64, 512, 128, 512), None),
+     ((5, 4, 96, 16, None), None), ((64, 64, 512, 128, 512), {"DV_SPLIT": 2, "num_warps": 4})],
+    ids=["t1", "t64", "tiny-sliding", "t64-dv2"],
+)  # fmt: skip
+def test_cuda_graph_replay(shape, config):
     """Captured once, replayed on new contents copied into the static inputs."""
     t, h, d, ka, kb = shape
     scale = d**-0.5
@@ -162,11 +194,11 @@ def test_cuda_graph_replay(shape):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        sparse_mqa(*static, scale, out=out)  # compile outside the capture
+        sparse_mqa(*static, scale, out=out, config=config)  # compile outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        sparse_mqa(*static, scale, out=out)
+        sparse_mqa(*static, scale, out=out, config=config)
     for _ in range(3):
         fresh = _inputs(t, h, d, ka, kb, torch.bfloat16)
         for dst, src in zip(static, fresh, strict=True):

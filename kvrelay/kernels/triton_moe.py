@@ -1,0 +1,389 @@
+"""Fused MoE for DeepSeek-V4's routed experts in Triton, CUDA-graph capturable (no host syncs,
+every shape fixed by T, k and E), reading the experts as they lie in memory: dense (bf16/fp32)
+or packed NVFP4, dequantized in registers inside the GEMM (no bf16 copy of any expert).
+
+Semantics are those of the torch reference `Experts.forward` (models/deepseek_v4/experts.py):
+per (token, slot) gate_up = x @ W_gu^T (rounded to x.dtype), act = silu(min(gate, limit)) *
+clamp(up, -limit, limit) * routing weight (rounded to x.dtype), y = act @ W_down^T (rounded to
+x.dtype), out[t] = fp32 sum of y over the k slots, in slot order (deterministic).
+
+Four launches (the grouping takes ~15 small torch ops instead past GROUP_MAX_ASSIGN
+assignments, i.e. in prefill):
+1. grouping (`_group_kernel`, one program): the assignments sorted by expert into blocks of
+   BLOCK_M rows (layout in moe_grouping.py, whose torch code is its reference);
+2. `_gate_up_kernel`, grid (max_blocks, I / BLOCK_N): one block of one expert against BLOCK_N
+   gate rows and the matching up rows, SwiGLU and routing weight in the epilogue, act written
+   in block order [max_blocks * BLOCK_M, I]; programs past the last used block exit at once;
+3. `_down_kernel`, grid (max_blocks, H / BLOCK_N): act rows of a block against the down rows,
+   y written per assignment [T*k, H] in x.dtype;
+4. the sum of y over k in fp32 (torch; deterministic, no atomics).
+NVFP4 tiles: bytes [BLOCK_N, BLOCK_K/2] hold elements 2j (low nibble) and 2j+1 (high); rather
+than interleave the decoded halves, x is loaded as its even and odd columns and each half gets
+its own tl.dot. e2m1 decodes by bit arithmetic through an fp16 (exact; `_e2m1_small`), times
+(e4m3 block scale * fp32 global scale, one product per 16 weights), rounded once to x.dtype:
+the reference's weight but for the order of two fp32 products (its (e2m1 * scale) * global is
+exact then rounded once; ours rounds scale * global, so it can differ by an fp32 ulp before the
+rounding to bf16). With SWAP_AB the weights are the dot's left operand (the MMA's 64-row side,
+straight from registers) and the tokens its right operand, which suits BLOCK_M 16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvrelay.kernels.moe_grouping import Grouping, group_by_expert, max_blocks
+from kvrelay.kernels.triton_pointwise import _jit, tl, triton
+
+if TYPE_CHECKING:
+    from kvrelay.models.deepseek_v4.experts import Experts
+
+GROUP_MAX_ASSIGN = 2048  # above this many assignments the torch grouping runs instead
+GROUP_CHUNK = 64  # assignments per step of the grouping kernel
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Tile shape of both GEMMs (block_m is also the grouping's block size)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128  # weights along K per step (NVFP4: block_k / 2 bytes, a multiple of 32)
+    num_warps: int = 4
+    num_stages: int = 3
+    swap_ab: bool = True  # weights as the dot's left operand
+
+
+def default_config(n_assign: int, num_experts: int) -> MoeConfig:
+    """Decode (a few rows per expert): BLOCK_M 16, each routed expert's weights read once per
+    step. Prefill: bigger blocks, so that each weight tile is decoded once for more rows (the
+    NVFP4 decode, not the MMA, is the costly part on Hopper). Untuned guesses until the GPU
+    sweep (benchmarks/moe_kernel.py --sweep) says otherwise."""
+    per_expert = n_assign / max(num_experts, 1)
+    if per_expert <= 12:
+        return MoeConfig(16, 64, 128, 4, 3, True)
+    if per_expert <= 32:
+        return MoeConfig(32, 64, 128, 4, 3, True)
+    if per_expert <= 64:
+        return MoeConfig(64, 64, 128, 4, 3, True)
+    return MoeConfig(128, 64, 64, 8, 3, True)
+
+
+# -- grouping ------------------------------------------------------------------------------
+
+
+@_jit
+def _group_kernel(
+    ids_ptr, tok_ptr, blk_e_ptr, blk_rows_ptr, n, n_blocks,
+    E: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr, CH: tl.constexpr,
+):  # fmt: skip
+    # One program. Pass 1 counts assignments per expert, pass 2 places each at its expert's
+    # next free row (running count + rank among equal ids earlier in the chunk), pass 3 labels
+    # the blocks. Chunks of CH assignments against all E_P2 experts as one-hot tiles.
+    er = tl.arange(0, E_P2)
+    cr = tl.arange(0, CH)
+    counts = tl.zeros([E_P2], dtype=tl.int32)
+    for c0 in range(0, n, CH):
+        a = c0 + cr
+        ids = tl.load(ids_ptr + a, mask=a < n, other=E_P2).to(tl.int32)
+        counts += tl.sum((ids[:, None] == er[None, :]).to(tl.int32), axis=0)
+    blocks = (counts + BM - 1) // BM
+    blk_end = tl.cumsum(blocks, axis=0)
+    blk_start = blk_end - blocks
+    running = blk_start * BM
+    earlier = cr[None, :] < cr[:, None]  # [i, j]: j before i
+    for c0 in range(0, n, CH):
+        a = c0 + cr
+        amask = a < n
+        ids = tl.load(ids_ptr + a, mask=amask, other=E_P2).to(tl.int32)
+        onehot = ids[:, None] == er[None, :]
+        base = tl.sum(tl.where(onehot, running[None, :], 0), axis=1)
+        rank = tl.sum(((ids[:, None] == ids[None, :]) & earlier).to(tl.int32), axis=1)
+        tl.store(tok_ptr + base + rank, a, mask=amask)
+        running += tl.sum(onehot.to(tl.int32), axis=0)
+    for b0 in range(0, n_blocks, CH):
+        b = b0 + cr
+        e = tl.sum((blk_end[None, :] <= b[:, None]).to(tl.int32), axis=1)
+        hit = er[None, :] == e[:, None]
+        cnt = tl.sum(tl.where(hit, counts[None, :], 0), axis=1)
+        st = tl.sum(tl.where(hit, blk_start[None, :], 0), axis=1)
+        rows = tl.minimum(cnt - (b - st) * BM, BM)
+        used = e < E
+        bmask = b < n_blocks
+        tl.store(blk_e_ptr + b, tl.where(used, e, -1), mask=bmask)
+        tl.store(blk_rows_ptr + b, tl.where(used, rows, 0), mask=bmask)
+
+
+def group_assignments(idx: torch.Tensor, num_experts: int, block_m: int) -> Grouping:
+    """`group_by_expert` in one Triton launch for up to GROUP_MAX_ASSIGN assignments (the
+    torch code past that, and without a GPU or interpreter)."""
+    n = idx.numel()
+    if triton is None or n > GROUP_MAX_ASSIGN or n == 0:
+        return group_by_expert(idx, num_experts, block_m)
+    nb = max_blocks(n, num_experts, block_m)
+    dev = idx.device
+    token_ids = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
+    block_rows = torch.empty(nb, dtype=torch.int32, device=dev)
+    _group_kernel[(1,)](
+        idx.reshape(-1), token_ids, block_expert, block_rows, n, nb,
+        E=num_experts, E_P2=triton.next_power_of_2(num_experts), BM=block_m, CH=GROUP_CHUNK,
+        num_warps=8,
+    )  # fmt: skip
+    return Grouping(token_ids, block_expert, block_rows)
+
+
+# -- GEMMs ---------------------------------------------------------------------------------
+
+
+@_jit
+def _e2m1_small(b, HIGH: tl.constexpr):
+    # b: int32 bytes. The low (or high) nibble's e2m1 code (sign bit 3, exponent bits 2-1,
+    # mantissa bit 0) moved into an fp16's sign and low exponent/top mantissa bits: that fp16
+    # is exactly e2m1 * 2^-14 (code 1 lands on the subnormal 2^-15, which fp16 keeps), so three
+    # integer ops and a widening per weight, no select. The caller folds 2^14 into the scale.
+    if HIGH:
+        h = ((b << 5) & 0x0E00) | ((b << 8) & 0x8000)
+    else:
+        h = ((b << 9) & 0x0E00) | ((b << 12) & 0x8000)
+    return h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@_jit
+def _fp4_tile(
+    p_ptr, s_ptr, gs, rows, rmask, g0, n_groups, stride_pn, stride_sn,
+    R: tl.constexpr, G: tl.constexpr, DT: tl.constexpr,
+):  # fmt: skip
+    # Scale groups g0 .. g0+G (16 elements = 8 bytes each) of weight rows `rows` [R] ->
+    # (elements 2j, elements 2j+1) for the tile's bytes j, as [R, 8G] in DT: e2m1 * (e4m3 block
+    # scale * global scale gs). Bytes load as [R, G, 8] so that one scale per (row, group) is
+    # loaded, converted and multiplied once and broadcast over its 8 bytes.
+    gi = g0 + tl.arange(0, G)
+    gmask = gi < n_groups
+    m2 = rmask[:, None] & gmask[None, :]
+    s = tl.load(s_ptr + rows[:, None] * stride_sn + gi[None, :], mask=m2, other=0)
+    sc = (s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (gs * 16384.0))[:, :, None]
+    j = tl.arange(0, 8)
+    offs = (rows[:, None] * stride_pn + gi[None, :] * 8)[:, :, None] + j[None, None, :]
+    b = tl.load(p_ptr + offs, mask=m2[:, :, None], other=0).to(tl.int32)
+    lo = (_e2m1_small(b, False) * sc).to(DT)
+    hi = (_e2m1_small(b, True) * sc).to(DT)
+    return tl.reshape(lo, [R, 8 * G]), tl.reshape(hi, [R, 8 * G])
+
+
+@_jit
+def _mma(acc, w, xk, SWAP: tl.constexpr, PREC: tl.constexpr):
+    # w [BN, BK'] weights, xk [BM, BK'] activations; acc [BN, BM] (SWAP) or [BM, BN].
+    if SWAP:
+        acc = tl.dot(w, tl.trans(xk), acc, input_precision=PREC)
+    else:
+        acc = tl.dot(xk, tl.trans(w), acc, input_precision=PREC)
+    return acc
+
+
+@_jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, s_ptr, gs_ptr, rw_ptr, tok_ptr, blk_e_ptr, blk_rows_ptr, act_ptr,
+    K, N_INTER, top_k, limit,
+    stride_x, stride_we, stride_wn, stride_se, stride_sn,
+    FP4: tl.constexpr, HAS_LIMIT: tl.constexpr, SWAP: tl.constexpr, PREC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    n_rows = tl.load(blk_rows_ptr + b)
+    if n_rows == 0:  # past the last used block
+        return
+    e = tl.load(blk_e_ptr + b).to(tl.int64)
+    DT = x_ptr.dtype.element_ty
+    r = tl.arange(0, BM)
+    rmask = r < n_rows
+    a = tl.load(tok_ptr + b * BM + r, mask=rmask, other=0)
+    x_rows = x_ptr + (a // top_k).to(tl.int64)[:, None] * stride_x
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = offs_n < N_INTER
+    gate_rows = offs_n.to(tl.int64)
+    up_rows = gate_rows + N_INTER
+    w_e = w_ptr + e * stride_we
+    if SWAP:
+        acc_g = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros_like(acc_g)
+    if FP4:
+        gs_g = tl.load(gs_ptr + 2 * e)
+        gs_u = tl.load(gs_ptr + 2 * e + 1)
+    for k0 in range(0, K, BK):
+        if FP4:
+            kb = k0 // 2 + tl.arange(0, BK // 2)
+            kmask = kb < K // 2
+            xm = rmask[:, None] & kmask[None, :]
+            xe = tl.load(x_rows + 2 * kb[None, :], mask=xm, other=0.0)
+            xo = tl.load(x_rows + 2 * kb[None, :] + 1, mask=xm, other=0.0)
+            s_e = s_ptr + e * stride_se
+            gl, gh = _fp4_tile(
+                w_e, s_e, gs_g, gate_rows, nmask, k0 // 16, K // 16, stride_wn, stride_sn,
+                BN, BK // 16, DT,
+            )  # fmt: skip
+            acc_g = _mma(acc_g, gl, xe, SWAP, PREC)
+            acc_g = _mma(acc_g, gh, xo, SWAP, PREC)
+            ul, uh = _fp4_tile(
+                w_e, s_e, gs_u, up_rows, nmask, k0 // 16, K // 16, stride_wn, stride_sn,
+                BN, BK // 16, DT,
+            )  # fmt: skip
+            acc_u = _mma(acc_u, ul, xe, SWAP, PREC)
+            acc_u = _mma(acc_u, uh, xo, SWAP, PREC)
+        else:
+            offs_k = k0 + tl.arange(0, BK)
+            kmask = offs_k < K
+            xk = tl.load(x_rows + offs_k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            wm = nmask[:, None] & kmask[None, :]
+            wg = tl.load(w_e + gate_rows[:, None] * stride_wn + offs_k[None, :], mask=wm, other=0.0)
+            wu = tl.load(w_e + up_rows[:, None] * stride_wn + offs_k[None, :], mask=wm, other=0.0)
+            acc_g = _mma(acc_g, wg.to(DT), xk, SWAP, PREC)
+            acc_u = _mma(acc_u, wu.to(DT), xk, SWAP, PREC)
+    gate = acc_g.to(DT).to(tl.float32)  # F.linear's output is x.dtype
+    up = acc_u.to(DT).to(tl.float32)
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    act = gate * tl.sigmoid(gate) * up
+    rw = tl.load(rw_ptr + a, mask=rmask, other=0.0)
+    out_rows = (b * BM + r).to(tl.int64) * N_INTER
+    if SWAP:
+        act = act * rw[None, :]
+        ptrs = act_ptr + out_rows[None, :] + offs_n[:, None]
+        tl.store(ptrs, act.to(DT), mask=nmask[:, None] & rmask[None, :])
+    else:
+        act = act * rw[:, None]
+        ptrs = act_ptr + out_rows[:, None] + offs_n[None, :]
+        tl.store(ptrs, act.to(DT), mask=rmask[:, None] & nmask[None, :])
+
+
+@_jit
+def _down_kernel(
+    act_ptr, w_ptr, s_ptr, gs_ptr, tok_ptr, blk_e_ptr, blk_rows_ptr, y_ptr,
+    K, N, stride_we, stride_wn, stride_se, stride_sn,
+    FP4: tl.constexpr, SWAP: tl.constexpr, PREC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    n_rows = tl.load(blk_rows_ptr + b)
+    if n_rows == 0:
+        return
+    e = tl.load(blk_e_ptr + b).to(tl.int64)
+    DT = act_ptr.dtype.element_ty
+    r = tl.arange(0, BM)
+    rmask = r < n_rows
+    a = tl.load(tok_ptr + b * BM + r, mask=rmask, other=0)
+    x_rows = act_ptr + (b * BM + r).to(tl.int64)[:, None] * K
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = offs_n < N
+    w_rows = offs_n.to(tl.int64)
+    w_e = w_ptr + e * stride_we
+    if SWAP:
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if FP4:
+        gs = tl.load(gs_ptr + e)
+    for k0 in range(0, K, BK):
+        if FP4:
+            kb = k0 // 2 + tl.arange(0, BK // 2)
+            kmask = kb < K // 2
+            xm = rmask[:, None] & kmask[None, :]
+            xe = tl.load(x_rows + 2 * kb[None, :], mask=xm, other=0.0)
+            xo = tl.load(x_rows + 2 * kb[None, :] + 1, mask=xm, other=0.0)
+            s_e = s_ptr + e * stride_se
+            wl, wh = _fp4_tile(
+                w_e, s_e, gs, w_rows, nmask, k0 // 16, K // 16, stride_wn, stride_sn,
+                BN, BK // 16, DT,
+            )  # fmt: skip
+            acc = _mma(acc, wl, xe, SWAP, PREC)
+            acc = _mma(acc, wh, xo, SWAP, PREC)
+        else:
+            offs_k = k0 + tl.arange(0, BK)
+            kmask = offs_k < K
+            xk = tl.load(x_rows + offs_k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            wm = nmask[:, None] & kmask[None, :]
+            w = tl.load(w_e + w_rows[:, None] * stride_wn + offs_k[None, :], mask=wm, other=0.0)
+            acc = _mma(acc, w.to(DT), xk, SWAP, PREC)
+    y_rows = a.to(tl.int64) * N
+    if SWAP:
+        ptrs = y_ptr + y_rows[None, :] + offs_n[:, None]
+        tl.store(ptrs, acc.to(DT), mask=nmask[:, None] & rmask[None, :])
+    else:
+        ptrs = y_ptr + y_rows[:, None] + offs_n[None, :]
+        tl.store(ptrs, acc.to(DT), mask=rmask[:, None] & nmask[None, :])
+
+
+# -- entry point ---------------------------------------------------------------------------
+
+
+def _weights(experts: Experts) -> tuple[bool, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """(fp4, gate_up (weight, scale, global scale), down (...)); dense scales are placeholders."""
+    if hasattr(experts, "gate_up_packed"):
+        gu = (
+            experts.gate_up_packed,
+            experts.gate_up_scale.view(torch.uint8),
+            experts.gate_up_scale_2.float().contiguous(),
+        )
+        down = (
+            experts.down_packed,
+            experts.down_scale.view(torch.uint8),
+            experts.down_scale_2.float().contiguous(),
+        )
+        return True, gu, down
+    gu, down = experts.gate_up_proj, experts.down_proj
+    return False, (gu, gu, gu), (down, down, down)
+
+
+def fused_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    idx: torch.Tensor,
+    experts: Experts,
+    config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """x [T, H] (bf16/fp32), weights [T, k] routing weights, idx [T, k] expert ids in [0, E),
+    experts `Experts` (dense) or `Fp4Experts` -> [T, H] float32, as `experts.forward(x, weights,
+    idx)`. No host sync: capturable in a CUDA graph once compiled (run it once before capture)."""
+    fp4, (w1, s1, gs1), (w2, s2, gs2) = _weights(experts)
+    t, h = x.shape
+    top_k = idx.shape[1]
+    num_experts, two_i = w1.shape[0], w1.shape[1]
+    inter = two_i // 2
+    for w in (w1, w2, s1, s2):
+        if w.stride(-1) != 1:
+            raise ValueError("expert weights must be contiguous along their last dimension")
+    if w1.shape[2] * (2 if fp4 else 1) != h or tuple(idx.shape) != tuple(weights.shape):
+        raise ValueError(f"x {tuple(x.shape)}, idx {tuple(idx.shape)} do not fit the experts")
+    if t == 0:
+        return torch.zeros(0, h, dtype=torch.float32, device=x.device)
+    x = x.contiguous()
+    n = t * top_k
+    cfg = config or default_config(n, num_experts)
+    if fp4 and (cfg.block_k < 32 or cfg.block_k & (cfg.block_k - 1)):
+        raise ValueError(f"NVFP4 needs block_k a power of two >= 32, got {cfg.block_k}")
+    grouping = group_assignments(idx, num_experts, cfg.block_m)
+    nb = grouping.block_expert.numel()
+    rw = weights.reshape(-1).float().contiguous()
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    act = torch.empty(nb * cfg.block_m, inter, dtype=x.dtype, device=x.device)
+    limit = float(experts.limit)
+    launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    blocks = {"BM": cfg.block_m, "BN": cfg.block_n, "BK": cfg.block_k}
+    _gate_up_kernel[(nb, triton.cdiv(inter, cfg.block_n))](
+        x, w1, s1, gs1, rw, *grouping, act,
+        h, inter, top_k, limit,
+        x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
+        FP4=fp4, HAS_LIMIT=limit > 0, SWAP=cfg.swap_ab, PREC=prec, **blocks, **launch,
+    )  # fmt: skip
+    y = torch.empty(n, h, dtype=x.dtype, device=x.device)
+    _down_kernel[(nb, triton.cdiv(h, cfg.block_n))](
+        act, w2, s2, gs2, *grouping, y,
+        inter, h, w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
+        FP4=fp4, SWAP=cfg.swap_ab, PREC=prec, **blocks, **launch,
+    )  # fmt: skip
+    return y.view(t, top_k, h).sum(dim=1, dtype=torch.float32)
