@@ -13,9 +13,9 @@ Two launches per block of query rows:
    order-preserving key (+0.0 and -0.0 share one key, every NaN is above +inf, as torch.sort
    orders them; -inf and invisible entries can never be chosen). Radix passes over 8-bit
    digits (RADIX_BITS; tl.histogram) find the K-th largest key `thr` and how many entries
-   equal to it to take (`need`); a last pass writes every entry with key > thr and the first
-   `need` entries with key == thr, lowest entry first, i.e. exactly the reference's set with
-   its tie rule.
+   equal to it to take (`need`), stopping early once every candidate of the picked digit is
+   needed; a last pass writes every entry with key > thr and the first `need` entries with
+   key == thr, lowest entry first, i.e. exactly the reference's set with its tie rule.
 
 Output order: the chosen entry numbers in ASCENDING entry order, then -1s (the reference orders
 them by score). Downstream sparse attention only uses the set. `select="torch"` replaces step 2
