@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from kvrelay.disagg import protocol as P
 from kvrelay.disagg.transport.cuda_ipc import device_checksum, export_tensors, open_tensors
 
 LAYERS, PAGES, PAGE, HEADS, DIM = 16, 4096, 16, 8, 64
@@ -54,8 +55,8 @@ def copy_requests(src: list[torch.Tensor], dst: list[torch.Tensor], n: int, toke
     return nbytes / dt / 1e9, dt / n * 1e3
 
 
-def writer(blob: bytes, args: dict, q) -> None:
-    peer = open_tensors(blob)
+def writer(frame: bytes, args: dict, q) -> None:
+    peer = open_tensors(P.decode(frame).ipc)  # the handles as they travel: decode's Auth frame
     dst = [peer[str(i)] for i in range(2 * LAYERS)]
     src = pool()
     for t in src:
@@ -75,7 +76,11 @@ def main() -> None:
     q = ctx.Queue()
     proc = ctx.Process(
         target=writer,
-        args=(export_tensors({str(i): t for i, t in enumerate(mine)}), vars(a), q),
+        args=(
+            P.encode(P.Auth(b"", export_tensors({str(i): t for i, t in enumerate(mine)}))),
+            vars(a),
+            q,
+        ),
     )
     proc.start()
     ipc_gbs, ipc_ms = q.get(timeout=300)

@@ -25,7 +25,8 @@ PROTOCOL_VERSION = 3  # 2: pieces name their cache kinds; 3: authenticated hands
 
 # Field limits: a received message that breaks one is refused whole (msgspec.ValidationError).
 Id = Annotated[str, msgspec.Meta(max_length=256)]  # ids, names, addresses, fingerprints
-Text = Annotated[str, msgspec.Meta(max_length=16384)]  # reasons and messages
+MAX_TEXT = 16384
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]  # reasons and messages
 Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 62)]
 MAX_KINDS = 4096  # cache kinds of one layout (DeepSeek-V4-Flash has a few hundred)
 MAX_PAGES = 1 << 22  # pages of one request
@@ -108,6 +109,9 @@ class ReserveAck(msgspec.Struct, tag=True):
     pages: Annotated[list[Count], msgspec.Meta(max_length=MAX_PAGES)] = []
     slot: Count = 0
 
+    def __post_init__(self) -> None:
+        self.reason = self.reason[:MAX_TEXT]  # ours may quote a peer's: stay within the limit
+
 
 class ChunkHeader(msgspec.Struct, tag=True):
     """One piece: the rows of some cache kinds that tokens [token_start, token_end) filled (a
@@ -149,6 +153,9 @@ class Failure(msgspec.Struct, tag=True):
     transfer_id: Id
     cause: Id  # a short machine name (see Cause)
     message: Text
+
+    def __post_init__(self) -> None:
+        self.message = self.message[:MAX_TEXT]  # ours may quote a peer's: stay within the limit
 
 
 class Heartbeat(msgspec.Struct, tag=True):

@@ -15,6 +15,8 @@ from __future__ import annotations
 import hmac
 from collections.abc import Callable
 
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 from kvrelay.server.errors import APIError
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -23,7 +25,7 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 class HttpGuard:
     def __init__(
         self,
-        app,
+        app: ASGIApp,
         api_key: str = "",
         max_body_bytes: int = 4 << 20,
         on_reject: Callable[[int], None] | None = None,
@@ -35,7 +37,7 @@ class HttpGuard:
         self.on_reject = on_reject
         self.open_paths = open_paths
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -68,14 +70,14 @@ class HttpGuard:
 
         await self.app(scope, replay, send)
 
-    def _key_ok(self, scope) -> bool:
+    def _key_ok(self, scope: Scope) -> bool:
         for name, value in scope["headers"]:
             if name == b"authorization":
                 scheme, _, key = value.partition(b" ")
                 return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.key)
         return False
 
-    async def _read_body(self, scope, receive) -> tuple[bytes | None, bool]:
+    async def _read_body(self, scope: Scope, receive: Receive) -> tuple[bytes | None, bool]:
         """(the body, False); (None, True) as soon as it passes the limit; (None, False) when
         the client disconnected first."""
         for name, value in scope["headers"]:
@@ -96,7 +98,9 @@ class HttpGuard:
             if not msg.get("more_body", False):
                 return b"".join(chunks), False
 
-    async def _answer(self, err: APIError, scope, receive, send, headers: dict) -> None:
+    async def _answer(
+        self, err: APIError, scope: Scope, receive: Receive, send: Send, headers: dict[str, str]
+    ) -> None:
         if self.on_reject is not None:
             self.on_reject(err.status)
         response = err.response()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import secrets
 import socket
+import time
 
 import httpx
 import openai
@@ -163,6 +164,10 @@ def test_an_unauthenticated_transfer_peer_is_refused(pd):
     refusal = peer.recv()
     assert isinstance(refusal, P.Failure) and refusal.cause == P.Cause.UNAUTHENTICATED
     assert peer.hung_up()
+    deadline = time.time() + 10  # the engine ships its counters to the API a moment later
+    while bootstrap_events(pd.decode.url).get("peer_unauthenticated", 0) < before + 1:
+        assert time.time() < deadline, bootstrap_events(pd.decode.url)
+        time.sleep(0.1)
     assert bootstrap_events(pd.decode.url)["peer_unauthenticated"] == before + 1
     assert (
         "transfer peer refused" in pd.decode.log()

@@ -182,3 +182,9 @@ def test_concurrent_senders_do_not_interleave_frames(tcp_pair):
     for _ in payloads:
         _, h, p = server_rx.get(timeout=10)
         assert p == payloads[int(P.decode(h).transfer_id)]
+
+
+def test_texts_built_here_stay_within_the_wire_limits():
+    long = "x" * (P.MAX_TEXT + 100)
+    for msg in (P.Failure("t", P.Cause.PEER_FAILED, long), P.ReserveAck("t", False, long)):
+        assert P.decode(P.encode(msg)) == msg  # truncated on construction, accepted on receipt
