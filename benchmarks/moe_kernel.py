@@ -29,26 +29,28 @@ from kvrelay.models.deepseek_v4.experts import Fp4Experts
 HBM = 4.2e12  # bytes/s, the H200's practical streaming ceiling (shared/reference)
 
 SWEEP_SMALL = [  # rows per expert <= ~12
-    MoeConfig(16, 32, 128, 4, 3, True),
-    MoeConfig(16, 64, 128, 4, 3, True),
-    MoeConfig(16, 64, 128, 4, 4, True),
-    MoeConfig(16, 64, 256, 4, 3, True),
-    MoeConfig(16, 64, 64, 4, 4, True),
-    MoeConfig(16, 128, 128, 8, 3, True),
-    MoeConfig(16, 32, 128, 4, 3, False),
-    MoeConfig(16, 64, 128, 4, 3, False),
-    MoeConfig(32, 64, 128, 4, 3, True),
+    MoeConfig(16, 32, 128, 4, 3),
+    MoeConfig(16, 32, 128, 4, 4),
+    MoeConfig(16, 64, 128, 4, 3),
+    MoeConfig(16, 64, 128, 8, 3),
+    MoeConfig(16, 32, 256, 4, 3),
+    MoeConfig(16, 64, 64, 4, 4),
+    MoeConfig(16, 16, 128, 2, 3),
+    MoeConfig(16, 64, 128, 4, 3, swap_ab=True),
+    MoeConfig(16, 32, 128, 4, 3, fp16_mma=True),
+    MoeConfig(16, 64, 128, 8, 3, fp16_mma=True),
 ]
 SWEEP_LARGE = [  # prefill
-    MoeConfig(128, 64, 64, 8, 3, True),
-    MoeConfig(128, 64, 128, 8, 3, True),
-    MoeConfig(128, 64, 64, 8, 4, True),
-    MoeConfig(128, 128, 64, 8, 3, True),
-    MoeConfig(128, 64, 64, 8, 3, False),
-    MoeConfig(64, 64, 128, 4, 3, True),
-    MoeConfig(64, 128, 64, 8, 3, True),
-    MoeConfig(64, 128, 64, 4, 3, False),
-    MoeConfig(256, 64, 64, 8, 3, True),
+    MoeConfig(128, 64, 64, 8, 3),
+    MoeConfig(128, 64, 128, 8, 3),
+    MoeConfig(128, 64, 64, 8, 4),
+    MoeConfig(128, 128, 64, 8, 3),
+    MoeConfig(128, 64, 64, 8, 3, swap_ab=True),
+    MoeConfig(64, 64, 64, 4, 3),
+    MoeConfig(64, 128, 64, 8, 3),
+    MoeConfig(256, 64, 64, 8, 3),
+    MoeConfig(128, 64, 64, 8, 3, fp16_mma=True),
+    MoeConfig(128, 128, 64, 8, 3, fp16_mma=True),
 ]
 
 

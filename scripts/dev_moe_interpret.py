@@ -1,9 +1,15 @@
 """Checks the Triton fused MoE (kvrelay/kernels/triton_moe.py) on the CPU through Triton's
 interpreter, against the torch reference `Experts.forward`: the grouping kernel against the
-torch grouping, the e2m1 decode over all 16 codes, dense fp32/bf16 and NVFP4 experts on small
-shapes, both operand orders. Slow (the interpreter), so shapes stay small.
+torch grouping, the e2m1 decode over every byte, dense fp32/bf16 and NVFP4 experts on small
+shapes, masked and unmasked K, both operand orders, both NVFP4 routes, and the NVFP4 routes
+against an fp64 oracle. Slow (the interpreter), so shapes stay small.
 
     TRITON_INTERPRET=1 .venv/bin/python scripts/dev_moe_interpret.py
+
+With --compile (TRITON_INTERPRET unset) it compiles the NVFP4 GEMM variants that the defaults,
+the GPU tests and the benchmark sweep use for sm_90 instead (Triton's bundled ptxas, no GPU
+needed), with DeepSeek-V4-mini's stride alignment, and prints registers, spills (stack),
+shared memory, MMA instructions and the main loop's instruction count per variant.
 """
 
 from __future__ import annotations
@@ -12,8 +18,9 @@ import os
 import sys
 import time
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    sys.exit("run with TRITON_INTERPRET=1 (Triton's CPU interpreter)")
+COMPILE = "--compile" in sys.argv
+if COMPILE == (os.environ.get("TRITON_INTERPRET") == "1"):
+    sys.exit("checks: run with TRITON_INTERPRET=1; --compile: run without it")
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -75,8 +82,9 @@ def _patch_interpreter_bf16_dot() -> None:
     builder.cast_impl = cast_impl
 
 
-_patch_interpreter_index()
-_patch_interpreter_bf16_dot()
+if not COMPILE:
+    _patch_interpreter_index()
+    _patch_interpreter_bf16_dot()
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -118,9 +126,9 @@ def routing(t: int, e: int, k: int, mode: str, gen: torch.Generator):
 @triton.jit
 def _decode_probe(b_ptr, lo_ptr, hi_ptr, BLOCK: tl.constexpr):
     r = tl.arange(0, BLOCK)
-    b = tl.load(b_ptr + r).to(tl.int32)
-    tl.store(lo_ptr + r, triton_moe._e2m1_small(b, False) * 16384.0)
-    tl.store(hi_ptr + r, triton_moe._e2m1_small(b, True) * 16384.0)
+    lo, hi = triton_moe._e2m1_pair(tl.load(b_ptr + r).to(tl.int32))
+    tl.store(lo_ptr + r, lo * 16384.0)
+    tl.store(hi_ptr + r, hi * 16384.0)
 
 
 def check_e2m1() -> None:
@@ -172,6 +180,36 @@ def check_moe(gen: torch.Generator) -> None:
         (8, 160, 192, 2, 300, True, torch.float32, "topk", MoeConfig(32, 64, 32, 4, 2, True)),
         (8, 64, 32, 2, 64, True, torch.float32, "hash", None),
         (8, 64, 32, 2, 1100, True, torch.bfloat16, "topk", None),  # > GROUP_MAX_ASSIGN: torch
+        # K a multiple of BLOCK_K (the unmasked EVEN_K path), both operand orders
+        (8, 256, 128, 2, 7, True, torch.bfloat16, "topk", MoeConfig(16, 32, 128, 4, 3, False)),
+        (8, 256, 128, 2, 64, True, torch.float32, "hash", MoeConfig(16, 64, 128, 4, 3, True)),
+        (8, 256, 128, 2, 300, True, torch.bfloat16, "topk", MoeConfig(64, 64, 64, 4, 3, False)),
+        (8, 256, 128, 2, 64, False, torch.bfloat16, "one", MoeConfig(16, 32, 128, 4, 3, False)),
+        (8, 256, 128, 2, 64, False, torch.float32, "topk", MoeConfig(32, 32, 64, 4, 3, True)),
+        # the fp16-MMA route (NVFP4, bf16 x), masked and unmasked K, both operand orders
+        (8, 160, 192, 2, 7, True, torch.bfloat16, "hash", MoeConfig(16, 32, 64, 4, 2, False, True)),
+        (
+            8,
+            256,
+            128,
+            2,
+            64,
+            True,
+            torch.bfloat16,
+            "one",
+            MoeConfig(16, 32, 128, 4, 3, False, True),
+        ),
+        (
+            8,
+            256,
+            128,
+            2,
+            300,
+            True,
+            torch.bfloat16,
+            "topk",
+            MoeConfig(64, 64, 64, 4, 3, True, True),
+        ),
     ]
     for e, h, i, k, t, fp4, dtype, mode, cfg in cases:
         t0 = time.time()
@@ -194,11 +232,124 @@ def check_moe(gen: torch.Generator) -> None:
             )
 
 
+def exact_oracle(ex, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The MoE in float64 on exactly dequantized NVFP4 weights, no intermediate rounding."""
+    from kvrelay.quant.nvfp4 import dequantize_nvfp4
+
+    e, two_i, _ = ex.gate_up_packed.shape
+    halves = (2, two_i // 2, -1)
+    gu = torch.stack([
+        dequantize_nvfp4(
+            ex.gate_up_packed[j].view(halves), ex.gate_up_scale[j].view(halves),
+            ex.gate_up_scale_2[j], torch.float64,
+        ).flatten(0, 1)
+        for j in range(e)
+    ])  # fmt: skip
+    dn = torch.stack([
+        dequantize_nvfp4(ex.down_packed[j], ex.down_scale[j], ex.down_scale_2[j], torch.float64)
+        for j in range(e)
+    ])  # fmt: skip
+    cfg = preset("dsv4-tiny").with_(
+        n_routed_experts=e, hidden_size=x.shape[1], moe_intermediate_size=two_i // 2
+    )
+    ref = Experts(cfg, torch.float64)
+    ref.limit = ex.limit
+    with torch.no_grad():
+        ref.gate_up_proj.copy_(gu)
+        ref.down_proj.copy_(dn)
+    return ref.forward(x.double(), w.double(), idx)
+
+
+def check_accuracy_against_fp64(gen: torch.Generator) -> None:
+    """Both NVFP4 routes against an fp64 oracle: the default route as far from it as the
+    reference (it rounds the same weights), the fp16 route closer (its weights are exact)."""
+    for h, i, t in ((256, 128, 7), (512, 256, 40)):
+        ex = make_experts(8, h, i, True, torch.bfloat16, gen)
+        x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+        w, idx = routing(t, 8, 2, "topk", gen)
+        exact = exact_oracle(ex, x, w, idx)
+        ref = rel_err(ex.forward(x, w, idx), exact)
+        errs = {}
+        for f16 in (False, True):
+            got = fused_experts(x, w, idx, ex, MoeConfig(16, 32, 128, 4, 3, False, f16))
+            errs[f16] = rel_err(got, exact)
+        assert errs[False] < 1.1 * ref and errs[True] < ref, (ref, errs)
+        print(
+            f"vs fp64 oracle H={h} I={i} T={t}: reference {ref:.2e}, default route "
+            f"{errs[False]:.2e}, fp16 route {errs[True]:.2e}"
+        )
+
+
+def _sm90(fn, sig: dict[str, str], const: dict, opts: dict) -> str:
+    """Compile fn for sm_90; registers, stack, shared memory, MMA count, main-loop length."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    for c in const:
+        sig[c] = "constexpr"
+    aligned = [i for i, a in enumerate(sig) if a.endswith("_ptr") or a.startswith("stride")]
+    aligned += [list(sig).index(a) for a in ("K", "N", "N_INTER") if a in sig]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    k = triton.compile(ASTSource(fn, sig, const, attrs), GPUTarget("cuda", 90, 32), opts)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True)
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
+    ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
+    addr = {int(a, 16): i for i, (a, _) in enumerate(ins)}
+    loop = 0
+    for i, (a, text) in enumerate(ins):  # the longest backward branch: the K loop
+        j = re.search(r"BRA\s+0x([0-9a-f]+)", text)
+        if j and int(j.group(1), 16) < int(a, 16) and int(j.group(1), 16) in addr:
+            loop = max(loop, i - addr[int(j.group(1), 16)])
+    mma = sass.count("HGMMA") + sass.count("HMMA")
+    regs, stack = m.groups() if m else ("?", "?")
+    return f"regs={regs} stack={stack} shared={k.metadata.shared} mma={mma} loop={loop}"
+
+
+def compile_report() -> None:
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import moe_kernel
+
+    cfgs = [triton_moe.default_config(n, 256) for n in (6, 6000, 12000, 24576)]
+    cfgs += moe_kernel.SWEEP_SMALL + moe_kernel.SWEEP_LARGE
+    for cfg in dict.fromkeys(cfgs):
+        f16 = cfg.fp16_mma
+        mdt, odt = ("fp16", tl.bfloat16) if f16 else ("bf16", tl.bfloat16)
+        blocks = {"BM": cfg.block_m, "BN": cfg.block_n, "BK": cfg.block_k, "EVEN_K": True}
+        common = {"FP4": True, "SWAP": cfg.swap_ab, "PREC": "tf32", **blocks}
+        opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        ptrs = {"w_ptr": "*u8", "s_ptr": "*u8", "gs_ptr": "*fp32"}
+        grouping = {"tok_ptr": "*i32", "blk_e_ptr": "*i32", "blk_rows_ptr": "*i32"}
+        gate_up = {"x_ptr": f"*{mdt}", **ptrs, "rw_ptr": "*fp32", **grouping, "act_ptr": f"*{mdt}"}
+        gate_up |= {a: "i32" for a in ("K", "N_INTER", "top_k")} | {"limit": "fp32"}
+        gate_up |= {a: "i32" for a in ("stride_x", "stride_we", "stride_wn")}
+        gate_up |= {a: "i32" for a in ("stride_se", "stride_sn")}
+        down = {"act_ptr": f"*{mdt}", **ptrs, **grouping, "y_ptr": "*bf16", "K": "i32", "N": "i32"}
+        down |= {a: "i32" for a in ("stride_we", "stride_wn", "stride_se", "stride_sn")}
+        rep_gu = _sm90(
+            triton_moe._gate_up_kernel, gate_up, {**common, "HAS_LIMIT": True, "ODT": odt}, opts
+        )
+        rep_dn = _sm90(triton_moe._down_kernel, down, common, opts)
+        print(f"{cfg}\n    gate_up: {rep_gu}\n    down:    {rep_dn}", flush=True)
+
+
 def main() -> None:
+    if COMPILE:
+        compile_report()
+        return
     gen = torch.Generator().manual_seed(0)
     check_e2m1()
     check_grouping(gen)
     check_moe(gen)
+    check_accuracy_against_fp64(gen)
     print("all interpreter checks passed")
 
 

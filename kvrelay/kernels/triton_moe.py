@@ -17,14 +17,24 @@ assignments, i.e. in prefill):
 3. `_down_kernel`, grid (max_blocks, H / BLOCK_N): act rows of a block against the down rows,
    y written per assignment [T*k, H] in x.dtype;
 4. the sum of y over k in fp32 (torch; deterministic, no atomics).
-NVFP4 tiles: bytes [BLOCK_N, BLOCK_K/2] hold elements 2j (low nibble) and 2j+1 (high); rather
-than interleave the decoded halves, x is loaded as its even and odd columns and each half gets
-its own tl.dot. e2m1 decodes by bit arithmetic through an fp16 (exact; `_e2m1_small`), times
-(e4m3 block scale * fp32 global scale, one product per 16 weights), rounded once to x.dtype:
-the reference's weight but for the order of two fp32 products (its (e2m1 * scale) * global is
-exact then rounded once; ours rounds scale * global, so it can differ by an fp32 ulp before the
-rounding to bf16). With SWAP_AB the weights are the dot's left operand (the MMA's 64-row side,
-straight from registers) and the tokens its right operand, which suits BLOCK_M 16.
+Both GEMMs: activations [BLOCK_M, BLOCK_K] (x rows gathered by token, or act rows of the block)
+are the dot's left operand, weights [BLOCK_N, BLOCK_K] its right one (SWAP_AB flips them). The
+compiler pipelines the activation, weight (and dense) tile loads through shared memory; the
+small NVFP4 scale tile is loaded one iteration ahead by hand. With K a multiple of BLOCK_K
+(every real shape) no load is masked along K, so all stay vectorized.
+NVFP4 weight tiles: bytes [BLOCK_N, BLOCK_K/2] (element 2j = low nibble of byte j) are decoded
+in registers: both nibbles of a byte become two fp16 in one 32-bit word by two multiplies and
+two masks (`_e2m1_pair`, exact: e2m1 * 2^-14, fp16 keeps the one subnormal), each scale of the
+[BLOCK_N, BLOCK_K/16] e4m3 tile is converted once and spread over its 8 bytes, and the two
+nibbles' weights are interleaved back into element order. Default route: weight = e2m1 *
+(scale * global scale) in fp32, rounded once to x.dtype; the reference computes (e2m1 *
+scale) * global (exact, then rounded), so ours can differ by one fp32 ulp before the same
+rounding, and dense and NVFP4 outputs match the reference up to summation order.
+fp16_mma route (NVFP4 with bf16 x, opt-in): weight = e2m1 * scale * 2^-7, exact in fp16
+(no fp32 round trip, fewer instructions per weight), x and act as fp16 (saturated at +-65504,
+exact inside that range), the global scale * 2^7 applied to the fp32 accumulator. Its
+weights are exact where the reference rounds them to bf16: closer to the true product (about
+half the reference's error against an fp64 oracle) but about 5e-3 from the reference itself.
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ if TYPE_CHECKING:
     from kvrelay.models.deepseek_v4.experts import Experts
 
 GROUP_MAX_ASSIGN = 2048  # above this many assignments the torch grouping runs instead
-GROUP_CHUNK = 64  # assignments per step of the grouping kernel
+GROUP_CHUNK = 64  # most assignments per step of the grouping kernel (fewer for small batches)
 
 
 @dataclass(frozen=True)
@@ -53,7 +63,8 @@ class MoeConfig:
     block_k: int = 128  # weights along K per step (NVFP4: block_k / 2 bytes, a multiple of 32)
     num_warps: int = 4
     num_stages: int = 3
-    swap_ab: bool = True  # weights as the dot's left operand
+    swap_ab: bool = False  # weights as the dot's left operand (see the module docstring)
+    fp16_mma: bool = False  # NVFP4 with bf16 x: fp16 MMA operands (see the module docstring)
 
 
 def default_config(n_assign: int, num_experts: int) -> MoeConfig:
@@ -63,12 +74,12 @@ def default_config(n_assign: int, num_experts: int) -> MoeConfig:
     sweep (benchmarks/moe_kernel.py --sweep) says otherwise."""
     per_expert = n_assign / max(num_experts, 1)
     if per_expert <= 12:
-        return MoeConfig(16, 64, 128, 4, 3, True)
+        return MoeConfig(16, 32, 128, 4, 3)
     if per_expert <= 32:
-        return MoeConfig(32, 64, 128, 4, 3, True)
+        return MoeConfig(32, 32, 128, 4, 3)
     if per_expert <= 64:
-        return MoeConfig(64, 64, 128, 4, 3, True)
-    return MoeConfig(128, 64, 64, 8, 3, True)
+        return MoeConfig(64, 64, 64, 4, 3)
+    return MoeConfig(128, 64, 64, 8, 3)
 
 
 # -- grouping ------------------------------------------------------------------------------
@@ -123,14 +134,15 @@ def group_assignments(idx: torch.Tensor, num_experts: int, block_m: int) -> Grou
     if triton is None or n > GROUP_MAX_ASSIGN or n == 0:
         return group_by_expert(idx, num_experts, block_m)
     nb = max_blocks(n, num_experts, block_m)
+    chunk = min(GROUP_CHUNK, max(16, triton.next_power_of_2(max(n, nb))))
     dev = idx.device
     token_ids = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
     block_rows = torch.empty(nb, dtype=torch.int32, device=dev)
     _group_kernel[(1,)](
         idx.reshape(-1), token_ids, block_expert, block_rows, n, nb,
-        E=num_experts, E_P2=triton.next_power_of_2(num_experts), BM=block_m, CH=GROUP_CHUNK,
-        num_warps=8,
+        E=num_experts, E_P2=triton.next_power_of_2(num_experts), BM=block_m, CH=chunk,
+        num_warps=8 if chunk > 32 else 4,
     )  # fmt: skip
     return Grouping(token_ids, block_expert, block_rows)
 
@@ -139,43 +151,85 @@ def group_assignments(idx: torch.Tensor, num_experts: int, block_m: int) -> Grou
 
 
 @_jit
-def _e2m1_small(b, HIGH: tl.constexpr):
-    # b: int32 bytes. The low (or high) nibble's e2m1 code (sign bit 3, exponent bits 2-1,
-    # mantissa bit 0) moved into an fp16's sign and low exponent/top mantissa bits: that fp16
-    # is exactly e2m1 * 2^-14 (code 1 lands on the subnormal 2^-15, which fp16 keeps), so three
-    # integer ops and a widening per weight, no select. The caller folds 2^14 into the scale.
-    if HIGH:
-        h = ((b << 5) & 0x0E00) | ((b << 8) & 0x8000)
+def _e2m1_pair(b):
+    # b: int32 bytes -> (low nibble, high nibble) as float16 e2m1 * 2^-14, exactly. Each
+    # nibble's code (sign bit 3, exponent bits 2-1, mantissa bit 0) goes to an fp16's sign and
+    # low exponent/top mantissa bits; that fp16 is e2m1 * 2^-14 (code 1 lands on the subnormal
+    # 2^-15, which fp16 keeps). Both fp16 are built in one 32-bit word by two multiplies (each
+    # places two non-overlapping shifted copies of the byte) and two masks; the caller folds
+    # 2^14 into the scale.
+    u = b.to(tl.uint32)
+    w = ((u * 0x00200200) & 0x0E000E00) | ((u * 0x01001000) & 0x80008000)
+    lo = w.to(tl.uint16).to(tl.float16, bitcast=True)
+    hi = (w >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    return lo, hi
+
+
+@_jit
+def _scale_tile(s_ptr, rows, rmask, k0, K, stride_sn, BK: tl.constexpr, EVEN_K: tl.constexpr):
+    # The raw e4m3 bytes [R, BK/16] of rows `rows`, elements k0 .. k0+BK (none past K). Loaded
+    # one iteration ahead by the caller: a tile this small (2-4 bytes a thread) is not
+    # pipelined by the compiler, and its latency would stall every iteration.
+    gi = k0 // 16 + tl.arange(0, BK // 16)
+    if EVEN_K:
+        m = rmask[:, None] & (k0 < K)
     else:
-        h = ((b << 9) & 0x0E00) | ((b << 12) & 0x8000)
-    return h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        m = rmask[:, None] & (gi < K // 16)[None, :]
+    return tl.load(s_ptr + rows[:, None] * stride_sn + gi[None, :], mask=m, other=0)
 
 
 @_jit
 def _fp4_tile(
-    p_ptr, s_ptr, gs, rows, rmask, g0, n_groups, stride_pn, stride_sn,
-    R: tl.constexpr, G: tl.constexpr, DT: tl.constexpr,
+    p_ptr, s, gs, rows, rmask, k0, K, stride_pn,
+    R: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
-    # Scale groups g0 .. g0+G (16 elements = 8 bytes each) of weight rows `rows` [R] ->
-    # (elements 2j, elements 2j+1) for the tile's bytes j, as [R, 8G] in DT: e2m1 * (e4m3 block
-    # scale * global scale gs). Bytes load as [R, G, 8] so that one scale per (row, group) is
-    # loaded, converted and multiplied once and broadcast over its 8 bytes.
-    gi = g0 + tl.arange(0, G)
-    gmask = gi < n_groups
-    m2 = rmask[:, None] & gmask[None, :]
-    s = tl.load(s_ptr + rows[:, None] * stride_sn + gi[None, :], mask=m2, other=0)
-    sc = (s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (gs * 16384.0))[:, :, None]
-    j = tl.arange(0, 8)
-    offs = (rows[:, None] * stride_pn + gi[None, :] * 8)[:, :, None] + j[None, None, :]
-    b = tl.load(p_ptr + offs, mask=m2[:, :, None], other=0).to(tl.int32)
-    lo = (_e2m1_small(b, False) * sc).to(DT)
-    hi = (_e2m1_small(b, True) * sc).to(DT)
-    return tl.reshape(lo, [R, 8 * G]), tl.reshape(hi, [R, 8 * G])
+    # Weight rows `rows` [R], elements k0 .. k0+BK -> [R, BK] in DT. Bytes [R, BK/2] load as a
+    # plain 2-D tile (pipelined by the compiler); each scale of s [R, BK/16] is converted once
+    # and spread over its 8 bytes; the two nibbles' weights are interleaved back into element
+    # order. DT float16 (the fp16-MMA route): e2m1 * e4m3 scale * 2^-7, exact in fp16 (as small
+    # as 2^-17: a subnormal only for the tiniest scales), the caller multiplies the accumulator
+    # by gs * 2^7. Otherwise e2m1 * (e4m3 scale * gs) in fp32, rounded once to DT.
+    BKH: tl.constexpr = BK // 2
+    G: tl.constexpr = BK // 16
+    kb = k0 // 2 + tl.arange(0, BKH)
+    if EVEN_K:  # no mask along K: loads stay vectorized
+        m = rmask[:, None]
+    else:
+        m = rmask[:, None] & (kb < K // 2)[None, :]
+    b = tl.load(p_ptr + rows[:, None] * stride_pn + kb[None, :], mask=m, other=0).to(tl.int32)
+    lo, hi = _e2m1_pair(b)
+    s8 = s.to(tl.float8e4nv, bitcast=True)
+    if DT == tl.float16:
+        sc = s8.to(tl.float16) * 128.0  # <= 448 * 128 < 65504: exact
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [R, G, 8]), [R, BKH])
+        w = tl.interleave(lo * sc, hi * sc)
+    else:
+        sc = s8.to(tl.float32) * (gs * 16384.0)
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [R, G, 8]), [R, BKH])
+        w = tl.interleave((lo.to(tl.float32) * sc).to(DT), (hi.to(tl.float32) * sc).to(DT))
+    return w
+
+
+@_jit
+def _weight_tile(
+    w_ptr, s, gs, rows, rmask, k0, K, stride_wn,
+    R: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    # Weight rows `rows` [R], elements k0 .. k0+BK -> [R, BK] in DT, dense or NVFP4 (s: its
+    # raw scale tile from `_scale_tile`; unused when dense).
+    if FP4:
+        w = _fp4_tile(w_ptr, s, gs, rows, rmask, k0, K, stride_wn, R, BK, DT, EVEN_K)
+    else:
+        offs_k = k0 + tl.arange(0, BK)
+        m = rmask[:, None] if EVEN_K else rmask[:, None] & (offs_k < K)[None, :]
+        w = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :], mask=m, other=0.0)
+        w = w.to(DT)
+    return w
 
 
 @_jit
 def _mma(acc, w, xk, SWAP: tl.constexpr, PREC: tl.constexpr):
-    # w [BN, BK'] weights, xk [BM, BK'] activations; acc [BN, BM] (SWAP) or [BM, BN].
+    # w [BN, BK] weights, xk [BM, BK] activations; acc [BN, BM] (SWAP) or [BM, BN].
     if SWAP:
         acc = tl.dot(w, tl.trans(xk), acc, input_precision=PREC)
     else:
@@ -189,8 +243,11 @@ def _gate_up_kernel(
     K, N_INTER, top_k, limit,
     stride_x, stride_we, stride_wn, stride_se, stride_sn,
     FP4: tl.constexpr, HAS_LIMIT: tl.constexpr, SWAP: tl.constexpr, PREC: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+    ODT: tl.constexpr,
 ):  # fmt: skip
+    # x_ptr: the MMA operand (x, or its fp16 copy on the fp16-MMA route); ODT: x's own dtype,
+    # to which gate and up are rounded as F.linear rounds them; act_ptr: x.dtype or fp16.
     b = tl.program_id(0)
     n_rows = tl.load(blk_rows_ptr + b)
     if n_rows == 0:  # past the last used block
@@ -206,59 +263,62 @@ def _gate_up_kernel(
     gate_rows = offs_n.to(tl.int64)
     up_rows = gate_rows + N_INTER
     w_e = w_ptr + e * stride_we
+    s_e = s_ptr + e * stride_se
+    gs_g = 1.0
+    gs_u = 1.0
+    if FP4:
+        gs_g = tl.load(gs_ptr + 2 * e)
+        gs_u = tl.load(gs_ptr + 2 * e + 1)
     if SWAP:
         acc_g = tl.zeros([BN, BM], dtype=tl.float32)
     else:
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros_like(acc_g)
+    sg_next = 0
+    su_next = 0
     if FP4:
-        gs_g = tl.load(gs_ptr + 2 * e)
-        gs_u = tl.load(gs_ptr + 2 * e + 1)
+        sg_next = _scale_tile(s_e, gate_rows, nmask, 0, K, stride_sn, BK, EVEN_K)
+        su_next = _scale_tile(s_e, up_rows, nmask, 0, K, stride_sn, BK, EVEN_K)
     for k0 in range(0, K, BK):
+        sg = sg_next
+        su = su_next
         if FP4:
-            kb = k0 // 2 + tl.arange(0, BK // 2)
-            kmask = kb < K // 2
-            xm = rmask[:, None] & kmask[None, :]
-            xe = tl.load(x_rows + 2 * kb[None, :], mask=xm, other=0.0)
-            xo = tl.load(x_rows + 2 * kb[None, :] + 1, mask=xm, other=0.0)
-            s_e = s_ptr + e * stride_se
-            gl, gh = _fp4_tile(
-                w_e, s_e, gs_g, gate_rows, nmask, k0 // 16, K // 16, stride_wn, stride_sn,
-                BN, BK // 16, DT,
-            )  # fmt: skip
-            acc_g = _mma(acc_g, gl, xe, SWAP, PREC)
-            acc_g = _mma(acc_g, gh, xo, SWAP, PREC)
-            ul, uh = _fp4_tile(
-                w_e, s_e, gs_u, up_rows, nmask, k0 // 16, K // 16, stride_wn, stride_sn,
-                BN, BK // 16, DT,
-            )  # fmt: skip
-            acc_u = _mma(acc_u, ul, xe, SWAP, PREC)
-            acc_u = _mma(acc_u, uh, xo, SWAP, PREC)
-        else:
-            offs_k = k0 + tl.arange(0, BK)
-            kmask = offs_k < K
-            xk = tl.load(x_rows + offs_k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            wm = nmask[:, None] & kmask[None, :]
-            wg = tl.load(w_e + gate_rows[:, None] * stride_wn + offs_k[None, :], mask=wm, other=0.0)
-            wu = tl.load(w_e + up_rows[:, None] * stride_wn + offs_k[None, :], mask=wm, other=0.0)
-            acc_g = _mma(acc_g, wg.to(DT), xk, SWAP, PREC)
-            acc_u = _mma(acc_u, wu.to(DT), xk, SWAP, PREC)
-    gate = acc_g.to(DT).to(tl.float32)  # F.linear's output is x.dtype
-    up = acc_u.to(DT).to(tl.float32)
+            sg_next = _scale_tile(s_e, gate_rows, nmask, k0 + BK, K, stride_sn, BK, EVEN_K)
+            su_next = _scale_tile(s_e, up_rows, nmask, k0 + BK, K, stride_sn, BK, EVEN_K)
+        offs_k = k0 + tl.arange(0, BK)
+        xm = rmask[:, None] if EVEN_K else rmask[:, None] & (offs_k < K)[None, :]
+        xk = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)
+        wg = _weight_tile(
+            w_e, sg, gs_g, gate_rows, nmask, k0, K, stride_wn, BN, BK, DT, FP4, EVEN_K
+        )
+        acc_g = _mma(acc_g, wg, xk, SWAP, PREC)
+        wu = _weight_tile(w_e, su, gs_u, up_rows, nmask, k0, K, stride_wn, BN, BK, DT, FP4, EVEN_K)
+        acc_u = _mma(acc_u, wu, xk, SWAP, PREC)
+    if FP4 and DT == tl.float16:  # the fp16 route leaves gs * 2^7 to the accumulator
+        acc_g = acc_g * (gs_g * 128.0)
+        acc_u = acc_u * (gs_u * 128.0)
+    gate = acc_g.to(ODT).to(tl.float32)  # F.linear's output is x.dtype
+    up = acc_u.to(ODT).to(tl.float32)
     if HAS_LIMIT:
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
     act = gate * tl.sigmoid(gate) * up
     rw = tl.load(rw_ptr + a, mask=rmask, other=0.0)
+    ADT = act_ptr.dtype.element_ty
     out_rows = (b * BM + r).to(tl.int64) * N_INTER
     if SWAP:
         act = act * rw[None, :]
-        ptrs = act_ptr + out_rows[None, :] + offs_n[:, None]
-        tl.store(ptrs, act.to(DT), mask=nmask[:, None] & rmask[None, :])
     else:
         act = act * rw[:, None]
+    if ADT == tl.float16:  # saturate rather than overflow to inf
+        act = tl.minimum(tl.maximum(act, -65504.0), 65504.0)
+    act = act.to(ADT)
+    if SWAP:
+        ptrs = act_ptr + out_rows[None, :] + offs_n[:, None]
+        tl.store(ptrs, act, mask=nmask[:, None] & rmask[None, :])
+    else:
         ptrs = act_ptr + out_rows[:, None] + offs_n[None, :]
-        tl.store(ptrs, act.to(DT), mask=rmask[:, None] & nmask[None, :])
+        tl.store(ptrs, act, mask=rmask[:, None] & nmask[None, :])
 
 
 @_jit
@@ -266,7 +326,7 @@ def _down_kernel(
     act_ptr, w_ptr, s_ptr, gs_ptr, tok_ptr, blk_e_ptr, blk_rows_ptr, y_ptr,
     K, N, stride_we, stride_wn, stride_se, stride_sn,
     FP4: tl.constexpr, SWAP: tl.constexpr, PREC: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     n_rows = tl.load(blk_rows_ptr + b)
@@ -282,40 +342,36 @@ def _down_kernel(
     nmask = offs_n < N
     w_rows = offs_n.to(tl.int64)
     w_e = w_ptr + e * stride_we
+    s_e = s_ptr + e * stride_se
+    gs = 1.0
+    if FP4:
+        gs = tl.load(gs_ptr + e)
     if SWAP:
         acc = tl.zeros([BN, BM], dtype=tl.float32)
     else:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
+    s_next = 0
     if FP4:
-        gs = tl.load(gs_ptr + e)
+        s_next = _scale_tile(s_e, w_rows, nmask, 0, K, stride_sn, BK, EVEN_K)
     for k0 in range(0, K, BK):
+        sk = s_next
         if FP4:
-            kb = k0 // 2 + tl.arange(0, BK // 2)
-            kmask = kb < K // 2
-            xm = rmask[:, None] & kmask[None, :]
-            xe = tl.load(x_rows + 2 * kb[None, :], mask=xm, other=0.0)
-            xo = tl.load(x_rows + 2 * kb[None, :] + 1, mask=xm, other=0.0)
-            s_e = s_ptr + e * stride_se
-            wl, wh = _fp4_tile(
-                w_e, s_e, gs, w_rows, nmask, k0 // 16, K // 16, stride_wn, stride_sn,
-                BN, BK // 16, DT,
-            )  # fmt: skip
-            acc = _mma(acc, wl, xe, SWAP, PREC)
-            acc = _mma(acc, wh, xo, SWAP, PREC)
-        else:
-            offs_k = k0 + tl.arange(0, BK)
-            kmask = offs_k < K
-            xk = tl.load(x_rows + offs_k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            wm = nmask[:, None] & kmask[None, :]
-            w = tl.load(w_e + w_rows[:, None] * stride_wn + offs_k[None, :], mask=wm, other=0.0)
-            acc = _mma(acc, w.to(DT), xk, SWAP, PREC)
+            s_next = _scale_tile(s_e, w_rows, nmask, k0 + BK, K, stride_sn, BK, EVEN_K)
+        offs_k = k0 + tl.arange(0, BK)
+        xm = rmask[:, None] if EVEN_K else rmask[:, None] & (offs_k < K)[None, :]
+        xk = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)
+        w = _weight_tile(w_e, sk, gs, w_rows, nmask, k0, K, stride_wn, BN, BK, DT, FP4, EVEN_K)
+        acc = _mma(acc, w, xk, SWAP, PREC)
+    if FP4 and DT == tl.float16:  # the fp16 route leaves gs * 2^7 to the accumulator
+        acc = acc * (gs * 128.0)
+    y = acc.to(y_ptr.dtype.element_ty)  # x.dtype, as F.linear rounds it
     y_rows = a.to(tl.int64) * N
     if SWAP:
         ptrs = y_ptr + y_rows[None, :] + offs_n[:, None]
-        tl.store(ptrs, acc.to(DT), mask=nmask[:, None] & rmask[None, :])
+        tl.store(ptrs, y, mask=nmask[:, None] & rmask[None, :])
     else:
         ptrs = y_ptr + y_rows[:, None] + offs_n[None, :]
-        tl.store(ptrs, acc.to(DT), mask=rmask[:, None] & nmask[None, :])
+        tl.store(ptrs, y, mask=rmask[:, None] & nmask[None, :])
 
 
 # -- entry point ---------------------------------------------------------------------------
@@ -370,20 +426,26 @@ def fused_experts(
     nb = grouping.block_expert.numel()
     rw = weights.reshape(-1).float().contiguous()
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    act = torch.empty(nb * cfg.block_m, inter, dtype=x.dtype, device=x.device)
+    odt = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+    odt = odt[x.dtype]
+    x_mma = x
+    if fp4 and cfg.fp16_mma and x.dtype == torch.bfloat16:
+        x_mma = x.clamp(-65504.0, 65504.0).to(torch.float16)  # exact within fp16's range
+    act = torch.empty(nb * cfg.block_m, inter, dtype=x_mma.dtype, device=x.device)
     limit = float(experts.limit)
     launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     blocks = {"BM": cfg.block_m, "BN": cfg.block_n, "BK": cfg.block_k}
     _gate_up_kernel[(nb, triton.cdiv(inter, cfg.block_n))](
-        x, w1, s1, gs1, rw, *grouping, act,
+        x_mma, w1, s1, gs1, rw, *grouping, act,
         h, inter, top_k, limit,
-        x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
-        FP4=fp4, HAS_LIMIT=limit > 0, SWAP=cfg.swap_ab, PREC=prec, **blocks, **launch,
+        x_mma.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
+        FP4=fp4, HAS_LIMIT=limit > 0, SWAP=cfg.swap_ab, PREC=prec, **blocks,
+        EVEN_K=h % cfg.block_k == 0, ODT=odt, **launch,
     )  # fmt: skip
     y = torch.empty(n, h, dtype=x.dtype, device=x.device)
     _down_kernel[(nb, triton.cdiv(h, cfg.block_n))](
         act, w2, s2, gs2, *grouping, y,
         inter, h, w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        FP4=fp4, SWAP=cfg.swap_ab, PREC=prec, **blocks, **launch,
+        FP4=fp4, SWAP=cfg.swap_ab, PREC=prec, **blocks, EVEN_K=inter % cfg.block_k == 0, **launch,
     )  # fmt: skip
     return y.view(t, top_k, h).sum(dim=1, dtype=torch.float32)

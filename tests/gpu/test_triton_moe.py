@@ -10,6 +10,7 @@ as NaN in the output.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import pytest
@@ -25,6 +26,7 @@ from kvrelay.kernels.triton_moe import (
 )
 from kvrelay.models.deepseek_v4 import preset
 from kvrelay.models.deepseek_v4.experts import Experts, Fp4Experts
+from kvrelay.quant.nvfp4 import dequantize_nvfp4
 
 pytestmark = pytest.mark.gpu
 
@@ -122,21 +124,67 @@ def test_tiny(shape, t, mode, fp4, dtype, tol) -> None:
     "config",
     [
         MoeConfig(16, 32, 32, 4, 2, False),
+        MoeConfig(16, 32, 128, 4, 3, False),
         MoeConfig(16, 64, 128, 4, 3, True),
         MoeConfig(32, 64, 64, 4, 3, False),
         MoeConfig(64, 128, 64, 8, 3, True),
         MoeConfig(64, 64, 64, 4, 2, False),
-        MoeConfig(128, 128, 64, 8, 2, True),
+        MoeConfig(128, 64, 64, 8, 3, False),
+        MoeConfig(16, 32, 128, 4, 3, False, True),
+        MoeConfig(128, 64, 64, 8, 3, True, True),
     ],
     ids=str,
 )
 @pytest.mark.parametrize("fp4", [False, True])
-def test_every_tile_shape_and_operand_order(config, fp4) -> None:
+@pytest.mark.parametrize("h,i", [(160, 192), (256, 128)])  # K masked / a multiple of BLOCK_K
+def test_every_tile_shape_and_operand_order(config, fp4, h, i) -> None:
     gen = torch.Generator(device="cuda").manual_seed(7)
     for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float32, 1e-5)):
-        ex = _experts(8, 160, 192, fp4, dtype, gen)
+        ex = _experts(8, h, i, fp4, dtype, gen)
         for t, mode in ((7, "hash"), (300, "topk")):
             _check(ex, t, mode, dtype, tol, gen, config, rounds=1)
+
+
+def _exact_oracle(ex: Fp4Experts, x, w, idx) -> torch.Tensor:
+    """The MoE in float64 on exactly dequantized NVFP4 weights, no intermediate rounding."""
+    e, two_i, h2 = ex.gate_up_packed.shape
+    halves = (2, two_i // 2, -1)
+    gu = torch.stack([
+        dequantize_nvfp4(
+            ex.gate_up_packed[j].view(halves), ex.gate_up_scale[j].view(halves),
+            ex.gate_up_scale_2[j], torch.float64,
+        ).flatten(0, 1)
+        for j in range(e)
+    ])  # fmt: skip
+    dn = torch.stack([
+        dequantize_nvfp4(ex.down_packed[j], ex.down_scale[j], ex.down_scale_2[j], torch.float64)
+        for j in range(e)
+    ])  # fmt: skip
+    cfg = preset("dsv4-tiny").with_(
+        n_routed_experts=e, hidden_size=2 * h2, moe_intermediate_size=two_i // 2
+    )
+    ref = Experts(cfg, torch.float64).to(x.device)
+    ref.limit = ex.limit
+    with torch.no_grad():
+        ref.gate_up_proj.copy_(gu)
+        ref.down_proj.copy_(dn)
+    return ref.forward(x.double(), w.double(), idx)
+
+
+@pytest.mark.parametrize("t", [7, 64])
+def test_nvfp4_routes_against_an_fp64_oracle(t) -> None:
+    """The default route rounds the weights as the reference does: as far from the exact
+    result as the reference; the fp16-MMA route keeps them exact: closer than the reference."""
+    gen = torch.Generator(device="cuda").manual_seed(100 + t)
+    ex = _experts(16, 1024, 512, True, torch.bfloat16, gen)
+    for _ in range(2):
+        x = torch.randn(t, 1024, generator=gen, device="cuda").to(torch.bfloat16)
+        w, idx = _routing(t, 16, 6, "topk", gen)
+        exact = _exact_oracle(ex, x, w, idx)
+        ref = _rel(ex.forward(x, w, idx), exact)
+        default = _rel(fused_experts(x, w, idx, ex), exact)
+        f16 = _rel(fused_experts(x, w, idx, ex, MoeConfig(16, 32, 128, 4, 3, False, True)), exact)
+        assert default < 1.2 * ref and f16 < ref, (ref, default, f16)
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +200,13 @@ def test_mini_nvfp4(mini_fp4, t, mode) -> None:
         pytest.skip("one prefill-sized routing is enough")
     gen = torch.Generator(device="cuda").manual_seed(t * 31 + len(mode))
     _check(mini_fp4, t, mode, torch.bfloat16, 1e-2, gen, rounds=1 if t == 4096 else 2)
+
+
+@pytest.mark.parametrize("t", [1, 64, 4096])
+def test_mini_nvfp4_fp16_route(mini_fp4, t) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(t * 17)
+    cfg = dataclasses.replace(default_config(t * 6, 256), fp16_mma=True)
+    _check(mini_fp4, t, "topk", torch.bfloat16, 1e-2, gen, cfg, rounds=1)
 
 
 @pytest.mark.parametrize("t", [1, 64, 300])
