@@ -75,6 +75,7 @@ def run_engine(a: argparse.Namespace) -> tuple[dict, Engine]:
         load_format="dummy",
         device=a.device,
         dtype=a.dtype,
+        attention_backend="reference",  # this benchmark is the reference path's (layer hooks)
         cache=CacheConfig(max_total_tokens=tokens),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=max(a.prompt_len, a.decode_context),

@@ -42,7 +42,7 @@ class DeepseekV4Runner:
             cfg.cache.index_k_dtype,
         )  # fmt: skip
         self.allocator = PageAllocator(num_pages)
-        self.layer_hook = None  # benchmarks: called before each layer (and after the last)
+        self.layer_hook = None  # benchmarks of the reference path: called before each layer
         self.reference = cfg.attention_backend == "reference"
         self.ratios = tuple(
             sorted({c.compress_ratio(i) for i, t in enumerate(c.layer_types) if t in (CSA, HCA)})
@@ -118,16 +118,7 @@ class DeepseekV4Runner:
                 [s.req.pages for s in batch],
                 [s.req.state_slot for s in batch],
             ).float()
-        ids: list[int] = []
-        sample_rows: list[int] = []
-        for s in batch:
-            r, start = s.req, s.req.num_computed
-            first = len(ids)
-            ids += r.token_slice(start, start + s.num_new_tokens)
-            if all_rows:
-                sample_rows += range(first, len(ids))
-            elif s.samples:
-                sample_rows.append(len(ids) - 1)
+        ids, sample_rows = _ids_and_sample_rows(batch, all_rows)
         meta = build_meta(
             [s.req.num_computed for s in batch],
             [s.num_new_tokens for s in batch],
@@ -156,25 +147,36 @@ class DeepseekV4Runner:
         )
 
     def _forward_reference(self, batch, profile, all_rows: bool) -> torch.Tensor:
-        ids: list[int] = []
+        ids, sample_rows = _ids_and_sample_rows(batch, all_rows)
         seqs: list[PagedSequence] = []
-        sample_rows: list[int] = []
+        first = 0
         for s in batch:
-            r, start = s.req, s.req.num_computed
-            rows = slice(len(ids), len(ids) + s.num_new_tokens)
-            ids += r.token_slice(start, start + s.num_new_tokens)
+            r = s.req
             pages = torch.tensor(r.pages, dtype=torch.long, device=self.device)
-            seqs.append(PagedSequence(rows, start, pages, r.state_slot))
-            if all_rows:
-                sample_rows += range(rows.start, rows.stop)
-            elif s.samples:
-                sample_rows.append(rows.stop - 1)
+            rows = slice(first, first + s.num_new_tokens)
+            seqs.append(PagedSequence(rows, r.num_computed, pages, r.state_slot))
+            first = rows.stop
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         rows_t = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = forward_paged(
             self.model, input_ids, seqs, self.cache, rows_t, self.layer_hook, profile
         )
         return logits.float()
+
+
+def _ids_and_sample_rows(batch: list[ScheduledRequest], all_rows: bool):
+    """The step's token ids back to back, and the rows whose logits are wanted: each sampling
+    request's last row, or every row with `all_rows`."""
+    ids: list[int] = []
+    sample_rows: list[int] = []
+    for s in batch:
+        first, start = len(ids), s.req.num_computed
+        ids += s.req.token_slice(start, start + s.num_new_tokens)
+        if all_rows:
+            sample_rows += range(first, len(ids))
+        elif s.samples:
+            sample_rows.append(len(ids) - 1)
+    return ids, sample_rows
 
 
 def _pick_ops(backend: str, device: torch.device) -> tuple[AttentionOps, LayerKernels | None]:

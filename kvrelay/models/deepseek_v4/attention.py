@@ -92,18 +92,10 @@ class Attention(nn.Module):
         self, x: torch.Tensor, start: int, state: LayerState
     ) -> tuple[torch.Tensor, LayerState]:
         """x: [n, hidden], the normed inputs of tokens start..start+n-1 -> ([n, hidden], state)."""
-        n, nh, hd = x.shape[0], self.n_heads, self.head_dim
+        n, hd = x.shape[0], self.head_dim
         positions = torch.arange(start, start + n, device=x.device)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
-
-        qr = self.q_a_norm(self.q_a_proj(x))
-        q = rms_normalize(self.q_b_proj(qr).view(n, nh, hd), self.eps)
-        q = apply_rope(q, cos, sin)
-        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
-        if self.qat:  # the cache holds the nope dims in FP8, the RoPE dims in bf16
-            kv = torch.cat(
-                (fake_quant_fp8_ue8m0(kv[:, : self.nope_dim], 64), kv[:, self.nope_dim :]), 1
-            )
+        qr, q, kv = self.project(x, cos, sin)
 
         # Window part: local buffer = the last w cached tokens followed by the new ones.
         past = state.window
@@ -135,6 +127,26 @@ class Attention(nn.Module):
             buf, indices = torch.cat((keys, entries)), torch.cat((win_idx, cmp_idx), dim=1)
 
         o = sparse_attention(q, buf, indices, self.sinks, hd**-0.5)
+        return self.output(o, cos, sin), new_state
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [n, hidden] -> (q low-rank qr [n, q_lora], rotated q [n, H, D], the K = V row each
+        token caches [n, D], QAT-rounded like the reference's cache)."""
+        n = x.shape[0]
+        qr = self.q_a_norm(self.q_a_proj(x))
+        q = rms_normalize(self.q_b_proj(qr).view(n, self.n_heads, self.head_dim), self.eps)
+        q = apply_rope(q, cos, sin)
+        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        if self.qat:  # the cache holds the nope dims in FP8, the RoPE dims in bf16
+            kv = torch.cat(
+                (fake_quant_fp8_ue8m0(kv[:, : self.nope_dim], 64), kv[:, self.nope_dim :]), 1
+            )
+        return qr, q, kv
+
+    def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Attention output [n, H, D] -> [n, hidden]: inverse RoPE, grouped projections."""
         o = apply_rope(o, cos, sin, inverse=True)  # V carried RoPE; make it relative again
-        o = self.o_a_proj(o.reshape(n, self.o_groups, -1)).flatten(1)
-        return self.o_b_proj(o), new_state
+        o = self.o_a_proj(o.reshape(o.shape[0], self.o_groups, -1)).flatten(1)
+        return self.o_b_proj(o)

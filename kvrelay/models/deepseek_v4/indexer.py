@@ -56,14 +56,10 @@ class Indexer(Compressor):
     ) -> torch.Tensor:
         """[n, N] index scores sum_h w_h * ReLU(q_h . k_j); -inf where entry j is not yet
         visible to the query (j >= (t + 1) // ratio)."""
-        n, h, d = x.shape[0], self.n_heads, self.dim
+        n = x.shape[0]
         cos, sin = self.rope.cos_sin(positions, x.dtype)
-        q = apply_rope(self.q_b_proj(qr).view(n, h, d), cos, sin)
-        if self.quant == QUANT_FP4:
-            q = fake_quant_fp4(hadamard(q), 32)
+        q, w = self.query(x, qr, cos, sin)
         q, k = wide(q), wide(keys)
-        xw = wide(x)
-        w = F.linear(xw, self.scorer.weights_proj.weight.to(xw.dtype)) * (d**-0.5 * h**-0.5)
         out = []
         for b in range(0, n, _QUERY_BLOCK):
             s = torch.einsum("nhd,md->nhm", q[b : b + _QUERY_BLOCK], k).relu()
@@ -74,6 +70,19 @@ class Indexer(Compressor):
             < ((positions + 1) // self.ratio)[:, None]
         )
         return score.masked_fill(~visible, float("-inf"))
+
+    def query(
+        self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index queries [n, h, d], rotated and rounded like the keys; head weights [n, h]
+        wide, with the d^-1/2 h^-1/2 scale folded in)."""
+        h, d = self.n_heads, self.dim
+        q = apply_rope(self.q_b_proj(qr).view(-1, h, d), cos, sin)
+        if self.quant == QUANT_FP4:
+            q = fake_quant_fp4(hadamard(q), 32)
+        xw = wide(x)
+        w = F.linear(xw, self.scorer.weights_proj.weight.to(xw.dtype)) * (d**-0.5 * h**-0.5)
+        return q, w
 
     def select(
         self,

@@ -13,16 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvrelay.models.deepseek_v4.attention import Attention
 from kvrelay.models.deepseek_v4.batch_meta import BatchMeta, StepIndex
-from kvrelay.models.deepseek_v4.compressor import QUANT_FP4
-from kvrelay.models.deepseek_v4.norms import rms_normalize
 from kvrelay.models.deepseek_v4.pooled_compressor import compress_step
-from kvrelay.models.deepseek_v4.precision import wide
-from kvrelay.models.deepseek_v4.qat import fake_quant_fp4, fake_quant_fp8_ue8m0, hadamard
-from kvrelay.models.deepseek_v4.rope import apply_rope
 
 
 @dataclass(frozen=True)
@@ -45,15 +39,9 @@ def pooled_attention(
     ops: AttentionOps,
 ) -> torch.Tensor:
     """x: [T, hidden] normed inputs of every row -> [T, hidden]."""
-    n, nh, hd = x.shape[0], attn.n_heads, attn.head_dim
+    hd = attn.head_dim
     cos, sin = attn.rope.cos_sin(meta.positions, x.dtype)
-    qr = attn.q_a_norm(attn.q_a_proj(x))
-    q = apply_rope(rms_normalize(attn.q_b_proj(qr).view(n, nh, hd), attn.eps), cos, sin)
-    kv = apply_rope(attn.kv_norm(attn.kv_proj(x)), cos, sin)
-    if attn.qat:  # the cache holds the nope dims in FP8, the RoPE dims in bf16
-        kv = torch.cat(
-            (fake_quant_fp8_ue8m0(kv[:, : attn.nope_dim], 64), kv[:, attn.nope_dim :]), 1
-        )
+    qr, q, kv = attn.project(x, cos, sin)
 
     swa = pool.swa[layer].flatten(0, 1)
     swa.index_copy_(0, index.swa_rows(), kv.to(swa.dtype))
@@ -78,9 +66,7 @@ def pooled_attention(
         else:  # HCA: every complete window is visible
             cmp_idx = index.all_entries_idx(r)
         o = ops.sparse_mqa(q, swa, win_idx, entries, cmp_idx, attn.sinks, hd**-0.5)
-    o = apply_rope(o, cos, sin, inverse=True)
-    o = attn.o_a_proj(o.reshape(n, attn.o_groups, -1)).flatten(1)
-    return attn.o_b_proj(o)
+    return attn.output(o, cos, sin)
 
 
 def _compress(comp, x, meta: BatchMeta, index: StepIndex, slots, store) -> None:
@@ -95,12 +81,8 @@ def _compress(comp, x, meta: BatchMeta, index: StepIndex, slots, store) -> None:
 def _select(attn, x, qr, cos, sin, meta, index: StepIndex, pool, layer: int, ops) -> torch.Tensor:
     """[T, K] pool rows of the indexer's top-k entries (-1 where fewer are visible)."""
     ix = attn.indexer
-    h, d, r = ix.n_heads, ix.dim, ix.ratio
-    q = apply_rope(ix.q_b_proj(qr).view(-1, h, d), cos, sin)
-    if ix.quant == QUANT_FP4:
-        q = fake_quant_fp4(hadamard(q), 32)
-    xw = wide(x)
-    w = F.linear(xw, ix.scorer.weights_proj.weight.to(xw.dtype)) * (d**-0.5 * h**-0.5)
+    r = ix.ratio
+    q, w = ix.query(x, qr, cos, sin)
     keys, scale = pool.index_k_rows(layer)
     rows = index.entry_rows(r)
     chosen = ops.indexer_topk(q, w, keys, scale, rows, meta.seq, index.visible(r), attn.index_topk)
