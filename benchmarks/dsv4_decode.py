@@ -23,6 +23,7 @@ import subprocess
 import time
 
 import torch
+from decode_throughput import copy_bandwidth  # same directory
 
 from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvrelay.engine.engine import Engine
@@ -36,22 +37,6 @@ from kvrelay.weights.loader import resolve
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
-
-
-def copy_bandwidth(device: str) -> float:
-    """Bytes/s of a 2 GiB device copy (read + write counted)."""
-    if device != "cuda":
-        return float("nan")
-    a = torch.empty(1 << 30, dtype=torch.float16, device=device)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    sync(device)
-    t = time.perf_counter()
-    for _ in range(10):
-        b.copy_(a)
-    sync(device)
-    return 2 * a.numel() * 2 * 10 / (time.perf_counter() - t)
 
 
 def step_bytes(cfg, batch: int, ctx: int, weights: dict) -> float:
@@ -188,7 +173,7 @@ def main() -> None:
     engine = make_engine(a, "auto")
     randomize_pools(engine)
     cfg = engine.runner.model_cfg
-    bw = copy_bandwidth(a.device)
+    bw = copy_bandwidth()  # random data, CUDA events: the dense benchmark's measurement
     wb = weight_bytes(engine.runner.model)
     rows = []
     for ctx in a.contexts:
