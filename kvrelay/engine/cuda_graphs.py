@@ -90,7 +90,9 @@ class CudaGraphRunner:
     def _capture(self, bs: int, profile: StepProfiler | None):
         """Capture only: nothing runs, so the buffers may hold a live batch's rows."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: a CUDA call on another thread (a PD transfer opening an IPC handle, a
+        # leftover engine) must not invalidate this capture; this thread's calls are still checked.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = self._forward(bs, profile)
         self.pool = graph.pool()
         return graph, out

@@ -91,7 +91,9 @@ class Dsv4GraphRunner:
             self._forward(bs, ctx)  # warm-up: Triton compiles, cuBLAS picks kernels
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: a CUDA call on another thread (a PD transfer opening an IPC handle, a
+        # leftover engine) must not invalidate this capture; this thread's calls are still checked.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = self._forward(bs, ctx)
         self.pool = graph.pool()
         self.graphs[(bs, ctx)] = (graph, out)

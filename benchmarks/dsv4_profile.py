@@ -1,0 +1,101 @@
+"""Where a DeepSeek-V4 fast-path decode step spends its GPU time: the step run eagerly under
+torch.profiler (kernel names and counts; GPU time per kernel is the same inside a graph), next
+to the graphed step's wall time, so launch gaps (graph time minus summed kernel time) show too.
+
+    python benchmarks/dsv4_profile.py --batches 1,64 --out bench-results/dsv4_profile.json
+CPU dry run: python benchmarks/dsv4_profile.py --model dsv4-tiny --device cpu --batches 1 \
+                 --context 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+
+import torch
+from dsv4_decode import fake_requests, make_engine, randomize_pools, release, sync
+from torch.profiler import ProfilerActivity, profile
+
+from kvrelay.engine.scheduler import ScheduledRequest
+
+
+def _kernel_table(prof, steps: int) -> tuple[list[dict], int, float]:
+    """Device kernels grouped by name: us per step and launches per step."""
+    us: dict[str, float] = collections.defaultdict(float)
+    count: dict[str, int] = collections.defaultdict(int)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            us[e.name] += e.device_time
+            count[e.name] += 1
+    rows = [
+        {"kernel": k[:90], "us_per_step": us[k] / steps, "launches_per_step": count[k] / steps}
+        for k in sorted(us, key=us.get, reverse=True)
+    ]
+    return rows, sum(count.values()) // steps, sum(us.values()) / steps
+
+
+def profile_batch(engine, batch: int, ctx: int, steps: int, device: str) -> dict:
+    reqs, shared = fake_requests(engine, batch, ctx)
+    sched = [ScheduledRequest(q, 1) for q in reqs]
+    runner = engine.runner
+    engine.runner.forward(sched)  # graph capture / warm-up
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        runner.forward(sched)
+    sync(device)
+    graphed_ms = (time.perf_counter() - t) * 1e3 / steps
+    graphs, runner.graphs = runner.graphs, None  # the same kernels, launched one by one
+    runner.forward(sched)
+    sync(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            runner.forward(sched)
+        sync(device)
+    runner.graphs = graphs
+    release(engine, reqs, shared)
+    rows, launches, kernel_us = _kernel_table(prof, steps)
+    return {
+        "batch": batch,
+        "context": ctx,
+        "graphed_step_ms": graphed_ms,
+        "kernel_ms_per_step": kernel_us / 1e3,
+        "launches_per_step": launches,
+        "kernels": rows[:40],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="dsv4-mini")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batches", default="1,64")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    a.batches = [int(x) for x in a.batches.split(",")]
+    a.contexts, a.prefill = [a.context], 256
+    engine = make_engine(a, "auto")
+    randomize_pools(engine)
+    results = []
+    for b in a.batches:
+        r = profile_batch(engine, b, a.context, a.steps, a.device)
+        results.append(r)
+        print(
+            f"batch {b}: graphed {r['graphed_step_ms']:.2f} ms, kernels {r['kernel_ms_per_step']:.2f}"
+            f" ms in {r['launches_per_step']} launches"
+        )
+        for k in r["kernels"][:25]:
+            print(f"  {k['us_per_step']:9.1f} us {k['launches_per_step']:6.1f}x  {k['kernel']}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"model": a.model, "dtype": a.dtype, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
