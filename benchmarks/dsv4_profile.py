@@ -36,6 +36,25 @@ def _kernel_table(prof, steps: int) -> tuple[list[dict], int, float]:
     return rows, sum(count.values()) // steps, sum(us.values()) / steps
 
 
+def _source_table(prof, steps: int) -> list[dict]:
+    """Kernel time and launches per step by (op, the innermost kvrelay source line that ran
+    it): which lines of the model launch the small kernels."""
+    us: dict[str, float] = collections.defaultdict(float)
+    count: dict[str, int] = collections.defaultdict(int)
+    for e in prof.events():
+        kernels = getattr(e, "kernels", None)
+        if not kernels:
+            continue
+        frames = [f for f in (e.stack or []) if "kvrelay" in f]
+        key = f"{e.name} @ {frames[0].split('kvrelay/')[-1] if frames else '?'}"
+        us[key] += sum(k.duration for k in kernels)
+        count[key] += len(kernels)
+    return [
+        {"source": k, "us_per_step": us[k] / steps, "launches_per_step": count[k] / steps}
+        for k in sorted(count, key=count.get, reverse=True)
+    ]
+
+
 def profile_batch(engine, batch: int, ctx: int, steps: int, device: str) -> dict:
     reqs, shared = fake_requests(engine, batch, ctx)
     sched = [ScheduledRequest(q, 1) for q in reqs]
@@ -51,7 +70,7 @@ def profile_batch(engine, batch: int, ctx: int, steps: int, device: str) -> dict
     runner.forward(sched)
     sync(device)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, with_stack=True) as prof:
         for _ in range(steps):
             runner.forward(sched)
         sync(device)
@@ -65,6 +84,7 @@ def profile_batch(engine, batch: int, ctx: int, steps: int, device: str) -> dict
         "kernel_ms_per_step": kernel_us / 1e3,
         "launches_per_step": launches,
         "kernels": rows[:40],
+        "sources": _source_table(prof, steps)[:60],
     }
 
 
@@ -92,6 +112,9 @@ def main() -> None:
         )
         for k in r["kernels"][:25]:
             print(f"  {k['us_per_step']:9.1f} us {k['launches_per_step']:6.1f}x  {k['kernel']}")
+        print("  by source line (most launches first):")
+        for k in r["sources"][:40]:
+            print(f"  {k['launches_per_step']:6.1f}x {k['us_per_step']:9.1f} us  {k['source']}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"model": a.model, "dtype": a.dtype, "results": results}, f, indent=1)

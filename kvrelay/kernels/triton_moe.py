@@ -25,8 +25,9 @@ small NVFP4 scale tile is loaded one iteration ahead by hand. With K a multiple 
 NVFP4 weight tiles: bytes [BLOCK_N, BLOCK_K/2] (element 2j = low nibble of byte j) are decoded
 in registers: both nibbles of a byte become two fp16 in one 32-bit word by two multiplies and
 two masks (`_e2m1_pair`, exact: e2m1 * 2^-14, fp16 keeps the one subnormal), each scale of the
-[BLOCK_N, BLOCK_K/16] e4m3 tile is converted once and spread over its 8 bytes, and the two
-nibbles' weights are interleaved back into element order. Default route: weight = e2m1 *
+[BLOCK_N, BLOCK_K/16] e4m3 tile is converted once and spread over its 8 bytes; the even and
+odd elements (low and high nibbles) stay apart and meet the even and odd columns of x in two
+dots (a sum over K in any order is the same sum; no interleaving shuffle per weight). Default route: weight = e2m1 *
 (scale * global scale) in fp32, rounded once to x.dtype; the reference computes (e2m1 *
 scale) * global (exact, then rounded), so ours can differ by one fp32 ulp before the same
 rounding, and dense and NVFP4 outputs match the reference up to summation order.
@@ -179,16 +180,19 @@ def _scale_tile(s_ptr, rows, rmask, k0, K, stride_sn, BK: tl.constexpr, EVEN_K: 
 
 
 @_jit
-def _fp4_tile(
+def _fp4_halves(
     p_ptr, s, gs, rows, rmask, k0, K, stride_pn,
     R: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
-    # Weight rows `rows` [R], elements k0 .. k0+BK -> [R, BK] in DT. Bytes [R, BK/2] load as a
-    # plain 2-D tile (pipelined by the compiler); each scale of s [R, BK/16] is converted once
-    # and spread over its 8 bytes; the two nibbles' weights are interleaved back into element
-    # order. DT float16 (the fp16-MMA route): e2m1 * e4m3 scale * 2^-7, exact in fp16 (as small
-    # as 2^-17: a subnormal only for the tiniest scales), the caller multiplies the accumulator
-    # by gs * 2^7. Otherwise e2m1 * (e4m3 scale * gs) in fp32, rounded once to DT.
+    # Weight rows `rows` [R], elements k0 .. k0+BK -> (even elements, odd elements), each
+    # [R, BK/2] in DT: the low and high nibbles of the bytes, never interleaved back into
+    # element order (the caller splits x the same way and runs two dots; an interleave costs
+    # a register shuffle per weight). Bytes [R, BK/2] load as a plain 2-D tile (pipelined by
+    # the compiler); each scale of s [R, BK/16] is converted once and spread over its 8 bytes
+    # (both nibbles of a byte share it). DT float16 (the fp16-MMA route): e2m1 * e4m3 scale *
+    # 2^-7, exact in fp16 (as small as 2^-17: a subnormal only for the tiniest scales), the
+    # caller multiplies the accumulator by gs * 2^7. Otherwise e2m1 * (e4m3 scale * gs) in
+    # fp32, rounded once to DT.
     BKH: tl.constexpr = BK // 2
     G: tl.constexpr = BK // 16
     kb = k0 // 2 + tl.arange(0, BKH)
@@ -202,29 +206,31 @@ def _fp4_tile(
     if DT == tl.float16:
         sc = s8.to(tl.float16) * 128.0  # <= 448 * 128 < 65504: exact
         sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [R, G, 8]), [R, BKH])
-        w = tl.interleave(lo * sc, hi * sc)
-    else:
-        sc = s8.to(tl.float32) * (gs * 16384.0)
-        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [R, G, 8]), [R, BKH])
-        w = tl.interleave((lo.to(tl.float32) * sc).to(DT), (hi.to(tl.float32) * sc).to(DT))
-    return w
+        return lo * sc, hi * sc
+    sc = s8.to(tl.float32) * (gs * 16384.0)
+    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [R, G, 8]), [R, BKH])
+    return (lo.to(tl.float32) * sc).to(DT), (hi.to(tl.float32) * sc).to(DT)
 
 
 @_jit
-def _weight_tile(
-    w_ptr, s, gs, rows, rmask, k0, K, stride_wn,
-    R: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, FP4: tl.constexpr, EVEN_K: tl.constexpr,
+def _weight_dot(
+    acc, xk, w_ptr, s, gs, rows, rmask, k0, K, stride_wn,
+    R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, FP4: tl.constexpr,
+    EVEN_K: tl.constexpr, SWAP: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    # Weight rows `rows` [R], elements k0 .. k0+BK -> [R, BK] in DT, dense or NVFP4 (s: its
-    # raw scale tile from `_scale_tile`; unused when dense).
+    # acc += xk [BM, BK] against weight rows `rows` [R], elements k0 .. k0+BK, dense or NVFP4
+    # (s: its raw scale tile from `_scale_tile`; unused when dense).
     if FP4:
-        w = _fp4_tile(w_ptr, s, gs, rows, rmask, k0, K, stride_wn, R, BK, DT, EVEN_K)
+        w_even, w_odd = _fp4_halves(w_ptr, s, gs, rows, rmask, k0, K, stride_wn, R, BK, DT, EVEN_K)
+        x_even, x_odd = tl.split(tl.reshape(xk, [BM, BK // 2, 2]))
+        acc = _mma(acc, w_even, x_even, SWAP, PREC)
+        acc = _mma(acc, w_odd, x_odd, SWAP, PREC)
     else:
         offs_k = k0 + tl.arange(0, BK)
         m = rmask[:, None] if EVEN_K else rmask[:, None] & (offs_k < K)[None, :]
         w = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :], mask=m, other=0.0)
-        w = w.to(DT)
-    return w
+        acc = _mma(acc, w.to(DT), xk, SWAP, PREC)
+    return acc
 
 
 @_jit
@@ -288,12 +294,14 @@ def _gate_up_kernel(
         offs_k = k0 + tl.arange(0, BK)
         xm = rmask[:, None] if EVEN_K else rmask[:, None] & (offs_k < K)[None, :]
         xk = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)
-        wg = _weight_tile(
-            w_e, sg, gs_g, gate_rows, nmask, k0, K, stride_wn, BN, BK, DT, FP4, EVEN_K
-        )
-        acc_g = _mma(acc_g, wg, xk, SWAP, PREC)
-        wu = _weight_tile(w_e, su, gs_u, up_rows, nmask, k0, K, stride_wn, BN, BK, DT, FP4, EVEN_K)
-        acc_u = _mma(acc_u, wu, xk, SWAP, PREC)
+        acc_g = _weight_dot(
+            acc_g, xk, w_e, sg, gs_g, gate_rows, nmask, k0, K, stride_wn,
+            BN, BM, BK, DT, FP4, EVEN_K, SWAP, PREC,
+        )  # fmt: skip
+        acc_u = _weight_dot(
+            acc_u, xk, w_e, su, gs_u, up_rows, nmask, k0, K, stride_wn,
+            BN, BM, BK, DT, FP4, EVEN_K, SWAP, PREC,
+        )  # fmt: skip
     if FP4 and DT == tl.float16:  # the fp16 route leaves gs * 2^7 to the accumulator
         acc_g = acc_g * (gs_g * 128.0)
         acc_u = acc_u * (gs_u * 128.0)
@@ -360,8 +368,10 @@ def _down_kernel(
         offs_k = k0 + tl.arange(0, BK)
         xm = rmask[:, None] if EVEN_K else rmask[:, None] & (offs_k < K)[None, :]
         xk = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)
-        w = _weight_tile(w_e, sk, gs, w_rows, nmask, k0, K, stride_wn, BN, BK, DT, FP4, EVEN_K)
-        acc = _mma(acc, w, xk, SWAP, PREC)
+        acc = _weight_dot(
+            acc, xk, w_e, sk, gs, w_rows, nmask, k0, K, stride_wn,
+            BN, BM, BK, DT, FP4, EVEN_K, SWAP, PREC,
+        )  # fmt: skip
     if FP4 and DT == tl.float16:  # the fp16 route leaves gs * 2^7 to the accumulator
         acc = acc * (gs * 128.0)
     y = acc.to(y_ptr.dtype.element_ty)  # x.dtype, as F.linear rounds it
