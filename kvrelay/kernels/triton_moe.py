@@ -70,17 +70,21 @@ class MoeConfig:
 
 def default_config(n_assign: int, num_experts: int) -> MoeConfig:
     """Decode (a few rows per expert): BLOCK_M 16, each routed expert's weights read once per
-    step. Prefill: bigger blocks, so that each weight tile is decoded once for more rows (the
-    NVFP4 decode, not the MMA, is the costly part on Hopper). Untuned guesses until the GPU
-    sweep (benchmarks/moe_kernel.py --sweep) says otherwise."""
+    step; from a few experts on, weights as the dot's left operand (SWAP_AB) with BLOCK_N 64.
+    Prefill: bigger blocks, so that each weight tile is decoded once for more rows (the NVFP4
+    decode, not the MMA, is the costly part on Hopper). Picked by the H200 sweep
+    (benchmarks/moe_kernel.py --sweep, results/moe_kernel_h200.json): T=1 91 us, T=8 487,
+    T=64 2020, T=256 2658, T=4096 6376 (fp16_mma, opt-in, 5772 there)."""
     per_expert = n_assign / max(num_experts, 1)
-    if per_expert <= 12:
+    if n_assign <= 8:
         return MoeConfig(16, 32, 128, 4, 3)
+    if per_expert <= 12:
+        return MoeConfig(16, 64, 128, 4, 3, swap_ab=True)
     if per_expert <= 32:
         return MoeConfig(32, 32, 128, 4, 3)
     if per_expert <= 64:
         return MoeConfig(64, 64, 64, 4, 3)
-    return MoeConfig(128, 64, 64, 8, 3)
+    return MoeConfig(128, 128, 64, 8, 3)
 
 
 # -- grouping ------------------------------------------------------------------------------
