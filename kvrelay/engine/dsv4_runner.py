@@ -19,6 +19,7 @@ from kvrelay.models.deepseek_v4.batch_meta import build_meta
 from kvrelay.models.deepseek_v4.batched import forward_batched
 from kvrelay.models.deepseek_v4.config import CSA, HCA
 from kvrelay.models.deepseek_v4.layer import LayerKernels
+from kvrelay.models.deepseek_v4.norms import use_norm_kernel
 from kvrelay.models.deepseek_v4.paged import PagedSequence, forward_paged
 from kvrelay.models.deepseek_v4.pooled_attention import AttentionOps
 from kvrelay.weights.loader import ModelSource, build_model
@@ -48,6 +49,10 @@ class DeepseekV4Runner:
             sorted({c.compress_ratio(i) for i, t in enumerate(c.layer_types) if t in (CSA, HCA)})
         )
         self.ops, self.kernels = _pick_ops(cfg.attention_backend, self.device)
+        if self.kernels is not None:  # the Triton path: fused norms as well
+            from kvrelay.kernels.triton_pointwise import rms_norm_wide
+
+            use_norm_kernel(self.model, rms_norm_wide)
         # Admission keeps running requests <= max_running_requests, so a slot is always free.
         self.state_slots = PageAllocator(num_slots)
         pool_tokens = (num_pages - 1) * self.page_size

@@ -111,3 +111,36 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows:
         _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, out, n, BLOCK=block)
     return out
+
+
+@_jit
+def _rms_norm_wide_kernel(
+    x_ptr, w_ptr, out_ptr, n_cols, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    if HAS_W:
+        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_wide(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """DeepSeek-V4's RMS norm over the last dim in one launch: normalized and weighted in fp32,
+    rounded once to x's dtype (reference: models/deepseek_v4/norms.py; the dense `rms_norm`
+    above rounds before the weight, as Llama does). `weight` None: the unweighted per-head norm.
+    Not for float64 (the oracle models), which the torch code serves."""
+    if x.dtype == torch.float64:
+        raise ValueError("rms_norm_wide: float64 runs the torch reference")
+    n = x.shape[-1]
+    x2 = x.contiguous().view(-1, n)
+    out = torch.empty_like(x2)
+    block = triton.next_power_of_2(n)
+    if x2.shape[0]:
+        _rms_norm_wide_kernel[(x2.shape[0],)](
+            x2, weight if weight is not None else x2, out, n, eps,
+            HAS_W=weight is not None, BLOCK=block, num_warps=max(1, min(8, block // 256)),
+        )  # fmt: skip
+    return out.view(x.shape)

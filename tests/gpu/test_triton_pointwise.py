@@ -56,3 +56,30 @@ def test_silu_and_mul(dtype, tol, rows, i):
     out = tp.silu_and_mul(x)
     assert out.shape == (rows, i)
     assert _rel(out, ref.silu_and_mul(x)) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 4096), (64, 1024), (3, 64, 512), (300, 160), (7, 33)])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_rms_norm_wide_matches_deepseek_v4_norms(dtype, shape, weighted):
+    """DeepSeek-V4's norms (weight applied in fp32, one rounding): the fused kernel against
+    `RMSNorm` / `HeadNorm` in torch on fresh random inputs; bf16 outputs at most one rounding
+    step apart (a different fp32 summation order), fp32 to 1e-6."""
+    from kvrelay.kernels import triton_pointwise as tp
+    from kvrelay.models.deepseek_v4.norms import HeadNorm, RMSNorm
+
+    x = (torch.randn(shape, device="cuda") * 3 + 0.5).to(dtype)
+    norm = RMSNorm(shape[-1], 1e-6, dtype).cuda() if weighted else HeadNorm(1e-6)
+    if weighted:
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(shape[-1], device="cuda"))
+    want = norm(x)
+    norm.kernel = tp.rms_norm_wide
+    got = norm(x)
+    assert got.dtype == dtype and got.shape == x.shape
+    if dtype == torch.float32:
+        assert _rel(got, want) < 1e-6
+    else:
+        ulp = want.float().abs() * 2**-7 + 1e-30
+        assert ((got.float() - want.float()).abs() <= ulp).all()
+        assert (got == want).float().mean() > 0.98

@@ -14,7 +14,7 @@ from torch import nn
 from kvrelay.models.deepseek_v4.compressor import QUANT_FP8, QUANT_NONE, Compressor
 from kvrelay.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
 from kvrelay.models.deepseek_v4.indexer import Indexer
-from kvrelay.models.deepseek_v4.norms import RMSNorm, rms_normalize
+from kvrelay.models.deepseek_v4.norms import HeadNorm, RMSNorm
 from kvrelay.models.deepseek_v4.precision import wide_dtype
 from kvrelay.models.deepseek_v4.qat import fake_quant_fp8_ue8m0
 from kvrelay.models.deepseek_v4.rope import RopeTable, apply_rope
@@ -45,7 +45,7 @@ class Attention(nn.Module):
         self.layer_type = layer_type
         self.n_heads, self.head_dim = c.num_attention_heads, c.head_dim
         self.rope_dim, self.nope_dim = c.qk_rope_head_dim, c.nope_head_dim
-        self.window, self.eps, self.qat = c.sliding_window, c.rms_norm_eps, c.qat_simulation
+        self.window, self.qat = c.sliding_window, c.qat_simulation
         self.index_topk = c.index_topk
         self.o_groups = c.o_groups
         self.rope = RopeTable.for_layer(c, layer_type)
@@ -53,6 +53,7 @@ class Attention(nn.Module):
         h, hd = c.hidden_size, c.head_dim
         self.q_a_proj = nn.Linear(h, c.q_lora_rank, bias=False, dtype=dtype)
         self.q_a_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype)
+        self.q_norm = HeadNorm(c.rms_norm_eps)
         self.q_b_proj = nn.Linear(c.q_lora_rank, self.n_heads * hd, bias=False, dtype=dtype)
         self.kv_proj = nn.Linear(h, hd, bias=False, dtype=dtype)
         self.kv_norm = RMSNorm(hd, c.rms_norm_eps, dtype)
@@ -136,7 +137,7 @@ class Attention(nn.Module):
         token caches [n, D], QAT-rounded like the reference's cache)."""
         n = x.shape[0]
         qr = self.q_a_norm(self.q_a_proj(x))
-        q = rms_normalize(self.q_b_proj(qr).view(n, self.n_heads, self.head_dim), self.eps)
+        q = self.q_norm(self.q_b_proj(qr).view(n, self.n_heads, self.head_dim))
         q = apply_rope(q, cos, sin)
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
         if self.qat:  # the cache holds the nope dims in FP8, the RoPE dims in bf16
