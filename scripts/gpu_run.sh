@@ -29,4 +29,4 @@ for b in ${BENCHES:-dsv4}; do
     dsv4) python3 benchmarks/dsv4_reference.py --out "$OUT/dsv4_reference.json" 2>&1 | tee "$OUT/dsv4_reference.log" | grep -v Warning | tail -20 ;;
   esac
 done
-python3 -m pytest -q -m gpu -p no:cacheprovider ${@:-tests/gpu} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+python3 -m pytest -q -rfE -m gpu -p no:cacheprovider $PYTEST_ARGS ${@:-tests/gpu} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15

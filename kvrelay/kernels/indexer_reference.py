@@ -74,6 +74,9 @@ def select_reference(score: torch.Tensor, topk: int) -> torch.Tensor:
     """[T, min(topk, N)] columns of the highest scores, highest first, ties lower column first,
     -1 where the chosen score is -inf (Indexer.select's rule)."""
     k = min(topk, score.shape[1])
+    # Every NaN ranks above +inf whatever its sign: torch.sort on CUDA puts a negative NaN
+    # last (on the CPU first), so the sign is dropped first and both devices agree.
+    score = torch.where(score.isnan(), torch.full_like(score, float("nan")), score)
     order = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :k]
     chosen = score.gather(1, order)
     return torch.where(torch.isneginf(chosen), torch.full_like(order, -1), order)

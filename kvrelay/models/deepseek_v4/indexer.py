@@ -95,6 +95,9 @@ class Indexer(Compressor):
         """[n, min(topk, N)] indices of the chosen entries per query, -1 where fewer are visible."""
         score = self.scores(x, qr, positions, keys)
         k = min(topk, keys.shape[0])
+        # Every NaN ranks above +inf whatever its sign: torch.sort on CUDA puts a negative NaN
+        # last (on the CPU first), so the sign is dropped first and both devices agree.
+        score = torch.where(score.isnan(), torch.full_like(score, float("nan")), score)
         order = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :k]
         chosen = score.gather(1, order)
         return torch.where(torch.isneginf(chosen), torch.full_like(order, -1), order)
