@@ -49,11 +49,13 @@ def test_engine_on_gpu_equals_full_forward(expert_format: str) -> None:
         full = eng.runner.model(torch.tensor(ids + toks[:-1], device="cuda")).log_softmax(-1)
         rows = full[len(ids) - 1 :]  # teacher-forced on the engine's own tokens
         chosen = rows.gather(1, torch.tensor(toks, device="cuda")[:, None]).squeeze(1)
-        # greedy: each token is the full forward's best, up to a float32 near-tie
-        assert (rows.max(-1).values - chosen).max().item() < 1e-3
-        # cuBLAS picks fp32 GEMM algorithms by shape, so batched and alone round differently;
-        # 5 layers of mHC amplify that to ~5e-3 with the (wider-tailed) NVFP4 dummy weights.
-        # A cache bug shows up as O(1) differences.
+        # cuBLAS picks fp32 GEMM algorithms by shape, and the fused MoE sums in another order
+        # than the torch experts, so batched and alone round differently; 5 layers of mHC
+        # amplify that to ~5e-3 with the (wider-tailed) NVFP4 dummy weights. So: greedy picks
+        # the full forward's best up to that noise, and the logprobs agree within it. A cache
+        # bug shows up as O(1) differences. (Token-for-token equality against the reference
+        # path: test_dsv4_fast_gpu.py.)
+        assert (rows.max(-1).values - chosen).max().item() < 1e-2
         assert (lps - chosen.cpu()).abs().max().item() < 1e-2
     eng.check_idle_integrity()
 
