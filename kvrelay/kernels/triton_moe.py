@@ -1,6 +1,6 @@
 """Fused MoE for DeepSeek-V4's routed experts in Triton, CUDA-graph capturable (no host syncs,
 every shape fixed by T, k and E), reading the experts as they lie in memory: dense (bf16/fp32)
-or packed NVFP4, dequantized in registers inside the GEMM (no bf16 copy of any expert).
+or packed NVFP4 or MXFP4, dequantized in registers inside the GEMM (no bf16 copy of any expert).
 
 Semantics are those of the torch reference `Experts.forward` (models/deepseek_v4/experts.py):
 per (token, slot) gate_up = x @ W_gu^T (rounded to x.dtype), act = silu(min(gate, limit)) *
@@ -171,22 +171,26 @@ def _e2m1_pair(b):
 
 
 @_jit
-def _scale_tile(s_ptr, rows, rmask, k0, K, stride_sn, BK: tl.constexpr, EVEN_K: tl.constexpr):
-    # The raw e4m3 bytes [R, BK/16] of rows `rows`, elements k0 .. k0+BK (none past K). Loaded
+def _scale_tile(
+    s_ptr, rows, rmask, k0, K, stride_sn,
+    BK: tl.constexpr, EVEN_K: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    # The raw scale bytes [R, BK/GROUP] of rows `rows` (e4m3 per 16 inputs for NVFP4, e8m0 per
+    # 32 for MXFP4), elements k0 .. k0+BK (none past K). Loaded
     # one iteration ahead by the caller: a tile this small (2-4 bytes a thread) is not
     # pipelined by the compiler, and its latency would stall every iteration.
-    gi = k0 // 16 + tl.arange(0, BK // 16)
+    gi = k0 // GROUP + tl.arange(0, BK // GROUP)
     if EVEN_K:
         m = rmask[:, None] & (k0 < K)
     else:
-        m = rmask[:, None] & (gi < K // 16)[None, :]
+        m = rmask[:, None] & (gi < K // GROUP)[None, :]
     return tl.load(s_ptr + rows[:, None] * stride_sn + gi[None, :], mask=m, other=0)
 
 
 @_jit
 def _fp4_halves(
     p_ptr, s, gs, rows, rmask, k0, K, stride_pn,
-    R: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, EVEN_K: tl.constexpr,
+    R: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, EVEN_K: tl.constexpr, MX: tl.constexpr,
 ):  # fmt: skip
     # Weight rows `rows` [R], elements k0 .. k0+BK -> (even elements, odd elements), each
     # [R, BK/2] in DT: the low and high nibbles of the bytes, never interleaved back into
@@ -196,8 +200,16 @@ def _fp4_halves(
     # (both nibbles of a byte share it). DT float16 (the fp16-MMA route): e2m1 * e4m3 scale *
     # 2^-7, exact in fp16 (as small as 2^-17: a subnormal only for the tiniest scales), the
     # caller multiplies the accumulator by gs * 2^7. Otherwise e2m1 * (e4m3 scale * gs) in
-    # fp32, rounded once to DT.
+    # fp32, rounded once to DT. MX (MXFP4): s holds e8m0 bytes, one per 32 inputs (16 bytes),
+    # no global scale: the factor 2^(byte - 127) * 2^14 is built from its exponent bits
+    # (exact; byte 255 is NaN as in the reference, bytes above 240 (scales > 2^113) saturate
+    # to inf, no real checkpoint has them); the fp16 route is NVFP4-only.
     BKH: tl.constexpr = BK // 2
+    if MX:
+        sb = s.to(tl.int32)
+        bits = tl.where(sb == 255, 0x7FC00000, tl.where(sb > 240, 0x7F800000, (sb + 14) << 23))
+        scm = bits.to(tl.float32, bitcast=True)
+        scm = tl.reshape(tl.broadcast_to(scm[:, :, None], [R, BK // 32, 16]), [R, BKH])
     G: tl.constexpr = BK // 16
     kb = k0 // 2 + tl.arange(0, BKH)
     if EVEN_K:  # no mask along K: loads stay vectorized
@@ -206,6 +218,8 @@ def _fp4_halves(
         m = rmask[:, None] & (kb < K // 2)[None, :]
     b = tl.load(p_ptr + rows[:, None] * stride_pn + kb[None, :], mask=m, other=0).to(tl.int32)
     lo, hi = _e2m1_pair(b)
+    if MX:
+        return (lo.to(tl.float32) * scm).to(DT), (hi.to(tl.float32) * scm).to(DT)
     s8 = s.to(tl.float8e4nv, bitcast=True)
     if DT == tl.float16:
         sc = s8.to(tl.float16) * 128.0  # <= 448 * 128 < 65504: exact
@@ -220,12 +234,14 @@ def _fp4_halves(
 def _weight_dot(
     acc, xk, w_ptr, s, gs, rows, rmask, k0, K, stride_wn,
     R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, FP4: tl.constexpr,
-    EVEN_K: tl.constexpr, SWAP: tl.constexpr, PREC: tl.constexpr,
+    EVEN_K: tl.constexpr, SWAP: tl.constexpr, PREC: tl.constexpr, MX: tl.constexpr,
 ):  # fmt: skip
     # acc += xk [BM, BK] against weight rows `rows` [R], elements k0 .. k0+BK, dense or NVFP4
     # (s: its raw scale tile from `_scale_tile`; unused when dense).
     if FP4:
-        w_even, w_odd = _fp4_halves(w_ptr, s, gs, rows, rmask, k0, K, stride_wn, R, BK, DT, EVEN_K)
+        w_even, w_odd = _fp4_halves(
+            w_ptr, s, gs, rows, rmask, k0, K, stride_wn, R, BK, DT, EVEN_K, MX
+        )
         x_even, x_odd = tl.split(tl.reshape(xk, [BM, BK // 2, 2]))
         acc = _mma(acc, w_even, x_even, SWAP, PREC)
         acc = _mma(acc, w_odd, x_odd, SWAP, PREC)
@@ -253,6 +269,7 @@ def _gate_up_kernel(
     K, N_INTER, top_k, limit,
     stride_x, stride_we, stride_wn, stride_se, stride_sn,
     FP4: tl.constexpr, HAS_LIMIT: tl.constexpr, SWAP: tl.constexpr, PREC: tl.constexpr,
+    MX: tl.constexpr, GROUP: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
     ODT: tl.constexpr,
 ):  # fmt: skip
@@ -276,7 +293,7 @@ def _gate_up_kernel(
     s_e = s_ptr + e * stride_se
     gs_g = 1.0
     gs_u = 1.0
-    if FP4:
+    if FP4 and not MX:
         gs_g = tl.load(gs_ptr + 2 * e)
         gs_u = tl.load(gs_ptr + 2 * e + 1)
     if SWAP:
@@ -287,24 +304,24 @@ def _gate_up_kernel(
     sg_next = 0
     su_next = 0
     if FP4:
-        sg_next = _scale_tile(s_e, gate_rows, nmask, 0, K, stride_sn, BK, EVEN_K)
-        su_next = _scale_tile(s_e, up_rows, nmask, 0, K, stride_sn, BK, EVEN_K)
+        sg_next = _scale_tile(s_e, gate_rows, nmask, 0, K, stride_sn, BK, EVEN_K, GROUP)
+        su_next = _scale_tile(s_e, up_rows, nmask, 0, K, stride_sn, BK, EVEN_K, GROUP)
     for k0 in range(0, K, BK):
         sg = sg_next
         su = su_next
         if FP4:
-            sg_next = _scale_tile(s_e, gate_rows, nmask, k0 + BK, K, stride_sn, BK, EVEN_K)
-            su_next = _scale_tile(s_e, up_rows, nmask, k0 + BK, K, stride_sn, BK, EVEN_K)
+            sg_next = _scale_tile(s_e, gate_rows, nmask, k0 + BK, K, stride_sn, BK, EVEN_K, GROUP)
+            su_next = _scale_tile(s_e, up_rows, nmask, k0 + BK, K, stride_sn, BK, EVEN_K, GROUP)
         offs_k = k0 + tl.arange(0, BK)
         xm = rmask[:, None] if EVEN_K else rmask[:, None] & (offs_k < K)[None, :]
         xk = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)
         acc_g = _weight_dot(
             acc_g, xk, w_e, sg, gs_g, gate_rows, nmask, k0, K, stride_wn,
-            BN, BM, BK, DT, FP4, EVEN_K, SWAP, PREC,
+            BN, BM, BK, DT, FP4, EVEN_K, SWAP, PREC, MX,
         )  # fmt: skip
         acc_u = _weight_dot(
             acc_u, xk, w_e, su, gs_u, up_rows, nmask, k0, K, stride_wn,
-            BN, BM, BK, DT, FP4, EVEN_K, SWAP, PREC,
+            BN, BM, BK, DT, FP4, EVEN_K, SWAP, PREC, MX,
         )  # fmt: skip
     if FP4 and DT == tl.float16:  # the fp16 route leaves gs * 2^7 to the accumulator
         acc_g = acc_g * (gs_g * 128.0)
@@ -337,8 +354,8 @@ def _gate_up_kernel(
 def _down_kernel(
     act_ptr, w_ptr, s_ptr, gs_ptr, tok_ptr, blk_e_ptr, blk_rows_ptr, y_ptr,
     K, N, stride_we, stride_wn, stride_se, stride_sn,
-    FP4: tl.constexpr, SWAP: tl.constexpr, PREC: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+    FP4: tl.constexpr, SWAP: tl.constexpr, PREC: tl.constexpr, MX: tl.constexpr,
+    GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     n_rows = tl.load(blk_rows_ptr + b)
@@ -356,7 +373,7 @@ def _down_kernel(
     w_e = w_ptr + e * stride_we
     s_e = s_ptr + e * stride_se
     gs = 1.0
-    if FP4:
+    if FP4 and not MX:
         gs = tl.load(gs_ptr + e)
     if SWAP:
         acc = tl.zeros([BN, BM], dtype=tl.float32)
@@ -364,17 +381,17 @@ def _down_kernel(
         acc = tl.zeros([BM, BN], dtype=tl.float32)
     s_next = 0
     if FP4:
-        s_next = _scale_tile(s_e, w_rows, nmask, 0, K, stride_sn, BK, EVEN_K)
+        s_next = _scale_tile(s_e, w_rows, nmask, 0, K, stride_sn, BK, EVEN_K, GROUP)
     for k0 in range(0, K, BK):
         sk = s_next
         if FP4:
-            s_next = _scale_tile(s_e, w_rows, nmask, k0 + BK, K, stride_sn, BK, EVEN_K)
+            s_next = _scale_tile(s_e, w_rows, nmask, k0 + BK, K, stride_sn, BK, EVEN_K, GROUP)
         offs_k = k0 + tl.arange(0, BK)
         xm = rmask[:, None] if EVEN_K else rmask[:, None] & (offs_k < K)[None, :]
         xk = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)
         acc = _weight_dot(
             acc, xk, w_e, sk, gs, w_rows, nmask, k0, K, stride_wn,
-            BN, BM, BK, DT, FP4, EVEN_K, SWAP, PREC,
+            BN, BM, BK, DT, FP4, EVEN_K, SWAP, PREC, MX,
         )  # fmt: skip
     if FP4 and DT == tl.float16:  # the fp16 route leaves gs * 2^7 to the accumulator
         acc = acc * (gs * 128.0)
@@ -391,9 +408,15 @@ def _down_kernel(
 # -- entry point ---------------------------------------------------------------------------
 
 
-def _weights(experts: Experts) -> tuple[bool, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """(fp4, gate_up (weight, scale, global scale), down (...)); dense scales are placeholders."""
-    if hasattr(experts, "gate_up_packed"):
+def _weights(experts: Experts) -> tuple[str, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """(format: dense | nvfp4 | mxfp4, gate_up (weight, scale, global scale), down (...));
+    scales that a format lacks are placeholders the kernels never read."""
+    fmt = getattr(experts, "fp4_format", "") or "dense"
+    if fmt == "mxfp4":
+        gu, down = experts.gate_up_packed, experts.down_packed
+        gu_s, down_s = experts.gate_up_scale.view(torch.uint8), experts.down_scale.view(torch.uint8)
+        return fmt, (gu, gu_s, gu_s), (down, down_s, down_s)
+    if fmt == "nvfp4":
         gu = (
             experts.gate_up_packed,
             experts.gate_up_scale.view(torch.uint8),
@@ -404,9 +427,9 @@ def _weights(experts: Experts) -> tuple[bool, tuple[torch.Tensor, ...], tuple[to
             experts.down_scale.view(torch.uint8),
             experts.down_scale_2.float().contiguous(),
         )
-        return True, gu, down
+        return fmt, gu, down
     gu, down = experts.gate_up_proj, experts.down_proj
-    return False, (gu, gu, gu), (down, down, down)
+    return fmt, (gu, gu, gu), (down, down, down)
 
 
 def fused_experts(
@@ -417,9 +440,10 @@ def fused_experts(
     config: MoeConfig | None = None,
 ) -> torch.Tensor:
     """x [T, H] (bf16/fp32), weights [T, k] routing weights, idx [T, k] expert ids in [0, E),
-    experts `Experts` (dense) or `Fp4Experts` -> [T, H] float32, as `experts.forward(x, weights,
+    experts `Experts` (dense), `Fp4Experts` or `Mxfp4Experts` -> [T, H] float32, as `experts.forward(x, weights,
     idx)`. No host sync: capturable in a CUDA graph once compiled (run it once before capture)."""
-    fp4, (w1, s1, gs1), (w2, s2, gs2) = _weights(experts)
+    fmt, (w1, s1, gs1), (w2, s2, gs2) = _weights(experts)
+    fp4, mx = fmt != "dense", fmt == "mxfp4"
     t, h = x.shape
     top_k = idx.shape[1]
     num_experts, two_i = w1.shape[0], w1.shape[1]
@@ -436,6 +460,7 @@ def fused_experts(
     cfg = config or default_config(n, num_experts)
     if fp4 and (cfg.block_k < 32 or cfg.block_k & (cfg.block_k - 1)):
         raise ValueError(f"NVFP4 needs block_k a power of two >= 32, got {cfg.block_k}")
+    group = 32 if mx else 16  # inputs per scale
     grouping = group_assignments(idx, num_experts, cfg.block_m)
     nb = grouping.block_expert.numel()
     rw = weights.reshape(-1).float().contiguous()
@@ -443,7 +468,7 @@ def fused_experts(
     odt = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
     odt = odt[x.dtype]
     x_mma = x
-    if fp4 and cfg.fp16_mma and x.dtype == torch.bfloat16:
+    if fp4 and not mx and cfg.fp16_mma and x.dtype == torch.bfloat16:
         x_mma = x.clamp(-65504.0, 65504.0).to(torch.float16)  # exact within fp16's range
     act = torch.empty(nb * cfg.block_m, inter, dtype=x_mma.dtype, device=x.device)
     limit = float(experts.limit)
@@ -453,13 +478,14 @@ def fused_experts(
         x_mma, w1, s1, gs1, rw, *grouping, act,
         h, inter, top_k, limit,
         x_mma.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
-        FP4=fp4, HAS_LIMIT=limit > 0, SWAP=cfg.swap_ab, PREC=prec, **blocks,
+        FP4=fp4, HAS_LIMIT=limit > 0, SWAP=cfg.swap_ab, PREC=prec, MX=mx, GROUP=group, **blocks,
         EVEN_K=h % cfg.block_k == 0, ODT=odt, **launch,
     )  # fmt: skip
     y = torch.empty(n, h, dtype=x.dtype, device=x.device)
     _down_kernel[(nb, triton.cdiv(h, cfg.block_n))](
         act, w2, s2, gs2, *grouping, y,
         inter, h, w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        FP4=fp4, SWAP=cfg.swap_ab, PREC=prec, **blocks, EVEN_K=inter % cfg.block_k == 0, **launch,
+        FP4=fp4, SWAP=cfg.swap_ab, PREC=prec, MX=mx, GROUP=group, **blocks,
+        EVEN_K=inter % cfg.block_k == 0, **launch,
     )  # fmt: skip
     return y.view(t, top_k, h).sum(dim=1, dtype=torch.float32)

@@ -103,13 +103,14 @@ def read_dsv4_config(
         if d is not None and "quantization_config" in d and "quantization_config" not in raw:
             raw["quantization_config"] = d["quantization_config"]
     cfg = DeepseekV4Config.from_dict(raw)
-    # NVFP4 experts stay packed in memory (how a Flash-sized model fits): the loader copies
-    # their bytes into `Fp4Experts` instead of dequantizing them.
+    # NVFP4 and MXFP4 experts stay packed in memory (how a Flash-sized model fits): the loader
+    # copies their bytes into `Fp4Experts` / `Mxfp4Experts` instead of dequantizing them.
     fmt = detect_format(read_index(path) if index is None else index)
-    if fmt.experts == "nvfp4":
+    if fmt.experts in _PACKED_FORMATS:
+        mtp = fmt.mtp_experts or fmt.experts
         cfg = cfg.with_(
-            expert_format="nvfp4",
-            mtp_expert_format="nvfp4" if fmt.mtp_experts in ("nvfp4", None) else "dense",
+            expert_format=fmt.experts,
+            mtp_expert_format=mtp if mtp in _PACKED_FORMATS else "dense",
         )
     return cfg, raw
 
@@ -431,6 +432,17 @@ class Dsv4Checkpoint:
         if fmt not in ("mxfp4", "nvfp4"):
             raise CheckpointError(f"{prefix}: routed experts are {fmt}, not packed FP4")
 
+        lost = [
+            (i, proj)
+            for i in range(e)
+            for proj in ("w1", "w2", "w3")
+            if f"{prefix}.ffn.experts.{i}.{proj}.weight" not in self.index
+        ]
+        if lost:
+            raise CheckpointError(
+                f"{prefix}.ffn.experts: (expert, part) {lost[:4]} missing from the checkpoint"
+            )
+
         def stacked(proj: str, role: str | None) -> torch.Tensor:
             names = [f"{prefix}.ffn.experts.{i}.{proj}.weight" for i in range(e)]
             if role is not None:
@@ -520,25 +532,34 @@ def load_checkpoint(model: nn.Module, ckpt: Dsv4Checkpoint) -> None:
     )  # fmt: skip
 
 
-# Fp4Experts buffer -> the PackedExperts field it is copied from
+_PACKED_FORMATS = ("nvfp4", "mxfp4")  # routed experts the model keeps packed
+# per format: expert module buffer -> the PackedExperts field it is copied from
 _PACKED_FIELDS = {
-    "gate_up_packed": "gate_up",
-    "gate_up_scale": "gate_up_scale",
-    "gate_up_scale_2": "gate_up_scale_2",
-    "down_packed": "down",
-    "down_scale": "down_scale",
-    "down_scale_2": "down_scale_2",
+    "nvfp4": {
+        "gate_up_packed": "gate_up",
+        "gate_up_scale": "gate_up_scale",
+        "gate_up_scale_2": "gate_up_scale_2",
+        "down_packed": "down",
+        "down_scale": "down_scale",
+        "down_scale_2": "down_scale_2",
+    },
+    "mxfp4": {
+        "gate_up_packed": "gate_up",
+        "gate_up_scale": "gate_up_scale",
+        "down_packed": "down",
+        "down_scale": "down_scale",
+    },
 }
 
 
 def _load_packed_experts(model: nn.Module, ckpt: Dsv4Checkpoint, own: dict) -> set[str]:
-    """Copy the stored NVFP4 bytes of every block whose experts the model keeps packed
-    (`Fp4Experts`); returns the state-dict names filled."""
-    from kvrelay.models.deepseek_v4.experts import Fp4Experts
+    """Copy the stored NVFP4 / MXFP4 bytes of every block whose experts the model keeps packed
+    (`Fp4Experts`, `Mxfp4Experts`); returns the state-dict names filled."""
+    from kvrelay.models.deepseek_v4.experts import QuantizedExperts
 
     filled: set[str] = set()
     for path, module in model.named_modules():
-        if not isinstance(module, Fp4Experts):
+        if not isinstance(module, QuantizedExperts):
             continue
         kind, n = path.removeprefix("model.").split(".")[:2]  # layers.3.mlp.experts
         block: int | str = int(n) if kind == "layers" else f"mtp.{n}"
@@ -548,12 +569,15 @@ def _load_packed_experts(model: nn.Module, ckpt: Dsv4Checkpoint, own: dict) -> s
             if kind == "mtp":
                 continue  # an absent MTP block stays as initialised
             raise
-        if packed.fmt != "nvfp4":
+        if packed.fmt != module.fp4_format:
             raise CheckpointError(
-                f"{path}: the checkpoint's experts are {packed.fmt}; packed experts need nvfp4"
+                f"{path}: the checkpoint's experts are {packed.fmt}; the model holds "
+                f"{module.fp4_format}"
             )
-        for buf, field in _PACKED_FIELDS.items():
+        for buf, field in _PACKED_FIELDS[packed.fmt].items():
             name, t = f"{path}.{buf}", getattr(packed, field)
+            if t.dtype == torch.float8_e8m0fnu:  # MXFP4 scales: the module keeps raw bytes
+                t = t.view(torch.uint8)
             if own[name].shape != t.shape or own[name].dtype != t.dtype:
                 raise CheckpointError(
                     f"{name}: checkpoint {t.dtype} {tuple(t.shape)} != model "

@@ -1,5 +1,6 @@
 """The Triton fused MoE (kvrelay/kernels/triton_moe.py) against the torch reference
-`Experts.forward` / `Fp4Experts.forward`: dense fp32 (rel err < 1e-5) and bf16 (< 1e-2), NVFP4,
+`Experts.forward` / `Fp4Experts.forward` / `Mxfp4Experts.forward`: dense fp32 (rel err < 1e-5)
+and bf16 (< 1e-2), NVFP4 and MXFP4,
 tiny and DeepSeek-V4-mini shapes, top-k, hash-like and all-to-one routing, the grouping kernel
 against the torch grouping, determinism, and CUDA-graph replay == eager.
 
@@ -11,6 +12,7 @@ as NaN in the output.
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
 
 import pytest
@@ -25,7 +27,7 @@ from kvrelay.kernels.triton_moe import (
     group_assignments,
 )
 from kvrelay.models.deepseek_v4 import preset
-from kvrelay.models.deepseek_v4.experts import Experts, Fp4Experts
+from kvrelay.models.deepseek_v4.experts import Experts, Fp4Experts, Mxfp4Experts, QuantizedExperts
 from kvrelay.quant.nvfp4 import dequantize_nvfp4
 
 pytestmark = pytest.mark.gpu
@@ -82,7 +84,7 @@ def _routing(t: int, e: int, k: int, mode: str, gen: torch.Generator):
 
 
 def _check(ex, t: int, mode: str, dtype: torch.dtype, tol: float, gen, config=None, rounds=2):
-    down = ex.down_packed if isinstance(ex, Fp4Experts) else ex.down_proj
+    down = ex.down_packed if isinstance(ex, QuantizedExperts) else ex.down_proj
     e, h = down.shape[0], down.shape[1]
     k = 6 if e == 256 else 2
     for _ in range(rounds):  # fresh inputs each round
@@ -275,3 +277,48 @@ def test_cuda_graph_replay_equals_eager(t, e, k, fp4) -> None:
         eager = fused_experts(x, w, idx, ex, cfg)
         assert torch.equal(out, eager), mode
         assert _rel(out, ex.forward(x, w, idx)) < 1e-2
+
+
+def _mx_experts(e: int, h: int, i: int, dtype: torch.dtype, gen: torch.Generator):
+    cfg = preset("dsv4-tiny").with_(
+        n_routed_experts=e, hidden_size=h, moe_intermediate_size=i, expert_format="mxfp4"
+    )
+    ex = Mxfp4Experts(cfg, dtype).to("cuda")
+    with torch.no_grad():
+        for p, s in ((ex.gate_up_packed, ex.gate_up_scale), (ex.down_packed, ex.down_scale)):
+            p.copy_(torch.randint(0, 256, p.shape, dtype=torch.uint8, generator=gen, device="cuda"))
+            fan_in = 127 - round(math.log2(2.93 * (2 * p.shape[-1]) ** 0.5))
+            # scales spread over +-3 octaves around fan-in scaling, and a few 2^-127 (byte 0)
+            s.copy_(torch.randint(fan_in - 3, fan_in + 4, s.shape, generator=gen, device="cuda"))
+            s.view(-1)[:: 97] = 0
+    return ex
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,
+        MoeConfig(16, 32, 32, 4, 2),
+        MoeConfig(16, 64, 128, 4, 3, True),
+        MoeConfig(64, 64, 64, 4, 3),
+        MoeConfig(128, 128, 64, 8, 3),
+        MoeConfig(16, 32, 128, 4, 3, False, True),  # fp16 route asked: MXFP4 keeps fp32 scales
+    ],
+)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("h,i", [(64, 32), (160, 192)])  # K a multiple of BLOCK_K / masked
+def test_mxfp4_experts(config, dtype, tol, h, i) -> None:
+    """DeepSeek's native MXFP4 experts (e8m0 scale per 32 inputs, no global scale) read packed
+    by the same kernels: equal to dequantize-then-compute (`Mxfp4Experts.forward`)."""
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr((config, h, i)).encode()))
+    ex = _mx_experts(8, h, i, dtype, gen)
+    for t in (1, 7, 64, 300):
+        _check(ex, t, "topk", dtype, tol, gen, config, rounds=1)
+
+
+def test_mxfp4_mini_shape() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    e, h, i, _ = MINI
+    ex = _mx_experts(e, h, i, torch.bfloat16, gen)
+    for t in (1, 64, 1024):
+        _check(ex, t, "topk", torch.bfloat16, 1e-2, gen, rounds=1)

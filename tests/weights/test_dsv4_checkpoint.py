@@ -25,7 +25,7 @@ from kvrelay.config import CacheConfig, EngineConfig
 from kvrelay.engine.engine import Engine, generate
 from kvrelay.engine.messages import SamplingParams
 from kvrelay.models.deepseek_v4 import DeepseekV4ForCausalLM, init_dummy_weights, preset
-from kvrelay.models.deepseek_v4.experts import Fp4Experts
+from kvrelay.models.deepseek_v4.experts import Fp4Experts, Mxfp4Experts, QuantizedExperts
 from kvrelay.quant import (
     dequantize_fp8_block,
     dequantize_mxfp4,
@@ -111,7 +111,7 @@ def dense_state(model: DeepseekV4ForCausalLM) -> dict[str, torch.Tensor]:
     """The model's state dict with packed experts dequantized under the dense names."""
     out = dict(model.state_dict())
     for path, module in model.named_modules():
-        if isinstance(module, Fp4Experts):
+        if isinstance(module, QuantizedExperts):
             for buf in module.state_dict():
                 del out[f"{path}.{buf}"]
             out[f"{path}.gate_up_proj"], out[f"{path}.down_proj"] = module.dense()
@@ -131,8 +131,13 @@ def test_resolve_reads_the_config(dirs, layout: str) -> None:
     src = resolve(dirs[layout])
     assert src.kind == "hf" and src.path == dirs[layout]
     # The borrowed tokenizer brings BOS/EOS; nothing else differs, the vocab is not widened;
-    # NVFP4 layer experts stay packed in memory (this layout's MTP experts are MXFP4: dense).
-    packed = {"expert_format": "nvfp4", "mtp_expert_format": "dense"} if layout == "nvfp4" else {}
+    # FP4 experts stay packed in memory: native MXFP4 throughout; NVIDIA's layout NVFP4 in the
+    # layers and MXFP4 in the MTP block.
+    packed = {
+        "hf": {},
+        "native": {"expert_format": "mxfp4", "mtp_expert_format": "mxfp4"},
+        "nvfp4": {"expert_format": "nvfp4", "mtp_expert_format": "mxfp4"},
+    }[layout]
     assert src.config.with_(bos_token_id=0, eos_token_id=1) == CFG.with_(**packed)
     assert src.config.vocab_size == CFG.vocab_size
     assert is_dsv4_dir(dirs[layout])
@@ -234,18 +239,17 @@ def test_packed_experts(loaded, dirs, layout) -> None:
                 assert p.gate_up_scale.dtype == torch.float8_e8m0fnu
             gate_up, down = p.dequantize(torch.float32)
             experts = module.mlp.experts
-            if fmt == "nvfp4":  # the model holds the checkpoint's bytes, not a dequantized copy
-                assert isinstance(experts, Fp4Experts)
-                assert torch.equal(experts.gate_up_packed, p.gate_up)
-                assert torch.equal(
-                    experts.down_scale.view(torch.uint8), p.down_scale.view(torch.uint8)
-                )
+            # the model holds the checkpoint's bytes, not a dequantized copy
+            assert isinstance(experts, Fp4Experts if fmt == "nvfp4" else Mxfp4Experts)
+            assert torch.equal(experts.gate_up_packed, p.gate_up)
+            assert torch.equal(experts.down_packed, p.down)
+            for mine, theirs in ((experts.gate_up_scale, p.gate_up_scale),
+                                 (experts.down_scale, p.down_scale)):  # fmt: skip
+                assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8))
+            if fmt == "nvfp4":
                 assert torch.equal(experts.gate_up_scale_2, p.gate_up_scale_2)
-                dense_gate_up, dense_down = experts.dense()
-                assert torch.equal(gate_up, dense_gate_up) and torch.equal(down, dense_down)
-            else:
-                assert torch.equal(gate_up, experts.gate_up_proj)
-                assert torch.equal(down, experts.down_proj)
+            dense_gate_up, dense_down = experts.dense()
+            assert torch.equal(gate_up, dense_gate_up) and torch.equal(down, dense_down)
 
 
 def test_stream_feeds_load_hf_state_dict_and_tp_shards(loaded, dirs) -> None:
@@ -287,7 +291,8 @@ def test_absent_mtp_block_is_allowed(dirs, original, tmp_path) -> None:
 
 def test_missing_or_unknown_tensors_raise(dirs, tmp_path) -> None:
     _rewrite(dirs["native"], tmp_path / "a", r"layers\.2\.ffn\.experts\.5\.w3\.(weight|scale)")
-    with pytest.raises(CheckpointError, match=r"gate_up_proj: \(expert, part\) \[\(5, 1\)\]"):
+    # native MXFP4 experts load packed: the packed reader names the lost matrix
+    with pytest.raises(CheckpointError, match=r"layers.2.ffn.experts: \(expert, part\) \[\(5, 'w3'\)\]"):
         build_model(resolve(str(tmp_path / "a")), torch.float32, torch.device("cpu"))
     _rewrite(dirs["native"], tmp_path / "b", r"layers\.4\.attn_norm\.weight")
     with pytest.raises(CheckpointError, match="missing.*layers.4.input_layernorm"):
@@ -309,7 +314,8 @@ def test_hf_names_with_fp8_and_mxfp4_tensors(original, tmp_path) -> None:
     save_safetensors(tensors, str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(CFG.to_hf_dict()))
     model = build_model(resolve(str(tmp_path)), torch.float32, torch.device("cpu"))
-    own = model.state_dict()
+    assert isinstance(model.model.layers[2].mlp.experts, Mxfp4Experts)  # held packed
+    own = dense_state(model)
     for name, t in original.state_dict().items():
         fused = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
         want = _mxfp4(t) if fused else _fp8(t) if FP8.fullmatch(name) else t
@@ -348,18 +354,18 @@ def test_engine_on_the_nvfp4_checkpoint_matches_a_greedy_forward_loop(dirs, load
     assert got == ids[len(prompt) :]
 
 
-def test_nvfp4_layer_experts_load_packed_without_dequantizing(dirs, monkeypatch) -> None:
+@pytest.mark.parametrize("layout", ["native", "nvfp4"])
+def test_fp4_experts_load_packed_without_dequantizing(dirs, monkeypatch, layout) -> None:
     read = []
     real = Dsv4Checkpoint.read_dequantized
     monkeypatch.setattr(
         Dsv4Checkpoint, "read_dequantized", lambda self, n, *a: read.append(n) or real(self, n, *a)
     )
-    model = build_model(resolve(dirs["nvfp4"]), torch.float32, torch.device("cpu"))
-    assert not [n for n in read if n.startswith("layers.") and ".ffn.experts." in n]
-    assert [n for n in read if n.startswith("mtp.0.ffn.experts.")]  # MXFP4 there: dequantized
+    model = build_model(resolve(dirs[layout]), torch.float32, torch.device("cpu"))
+    assert not [n for n in read if ".ffn.experts." in n]  # layers and the MTP block alike
     layers = [layer.mlp.experts for layer in model.model.layers]
-    assert all(isinstance(x, Fp4Experts) for x in layers)
-    assert not isinstance(model.model.mtp[0].mlp.experts, Fp4Experts)
+    assert all(isinstance(x, Fp4Experts if layout == "nvfp4" else Mxfp4Experts) for x in layers)
+    assert isinstance(model.model.mtp[0].mlp.experts, Mxfp4Experts)
     # 4.5 bits a weight (e2m1 + an e4m3 scale per 16) against 32 for the float32 model.
     packed = sum(b.numel() * b.element_size() for x in layers for b in x.buffers())
     e, i, h = CFG.n_routed_experts, CFG.moe_intermediate_size, CFG.hidden_size

@@ -94,8 +94,8 @@ class DeepseekV4Config:
         if (self.num_attention_heads * self.head_dim) % self.o_groups:
             raise ValueError("num_attention_heads * head_dim must divide into o_groups")
         for fmt in (self.expert_format, self.mtp_expert_format or "dense"):
-            if fmt not in ("dense", "nvfp4"):
-                raise ValueError(f"unknown expert format {fmt!r} (dense | nvfp4)")
+            if fmt not in ("dense", "nvfp4", "mxfp4"):
+                raise ValueError(f"unknown expert format {fmt!r} (dense | nvfp4 | mxfp4)")
         if self.scoring_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
             raise ValueError(f"unknown scoring_func {self.scoring_func!r}")
         if self.qat_simulation:

@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from kvrelay.models.deepseek_v4.experts import Fp4Experts
+from kvrelay.models.deepseek_v4.experts import QuantizedExperts
 
 
 @torch.no_grad()
@@ -46,7 +46,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
         else:  # projections, experts, router: fan-in scaling
             normal(p, 1.0 / math.sqrt(p.shape[-1]))
     for m in model.modules():
-        if isinstance(m, Fp4Experts):
+        if isinstance(m, QuantizedExperts):
             m.init_dummy(gd if gd is not None else g)
     for name, b in model.named_buffers():
         if name.endswith("e_score_correction_bias"):

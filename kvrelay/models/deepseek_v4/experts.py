@@ -1,9 +1,11 @@
 """Routed experts: clamped SwiGLU over stacked weights, kept dense (HF layout: gate and up
-fused, gate first) or packed in NVFP4 and dequantized one expert at a time when a token routes
-to it (the torch reference for the FP4 grouped-GEMM kernels, and how a DeepSeek-V4-sized model
-fits one GPU)."""
+fused, gate first) or packed in NVFP4 (NVIDIA's checkpoints) or MXFP4 (DeepSeek's own) and
+dequantized one expert at a time when a token routes to it (the torch reference for the FP4
+grouped-GEMM kernels, and how a DeepSeek-V4-sized model fits one GPU)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -11,10 +13,12 @@ from torch import nn
 
 from kvrelay.models.deepseek_v4.config import DeepseekV4Config
 from kvrelay.models.deepseek_v4.precision import wide
+from kvrelay.quant.mxfp4 import MXFP4_BLOCK, dequantize_mxfp4
 from kvrelay.quant.nvfp4 import NVFP4_BLOCK
 from kvrelay.quant.nvfp4 import dequantize_nvfp4 as _torch_dequant
 
-EXPERT_FORMATS = ("dense", "nvfp4")
+EXPERT_FORMATS = ("dense", "nvfp4", "mxfp4")
+E2M1_RMS = 2.93  # RMS of uniformly drawn e2m1 codes: dummy scales give fan-in-scaled weights
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -48,9 +52,24 @@ class Experts(nn.Module):
         return out
 
 
-class Fp4Experts(Experts):
+class QuantizedExperts(Experts):
+    """Experts whose weights stay packed 4-bit codes plus scales (`fp4_format` names the
+    encoding); `expert_weights` dequantizes one expert."""
+
+    fp4_format = ""
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every expert dequantized: (gate_up [E, 2I, hidden], down [E, hidden, I]), the
+        layout of `Experts` (tests and conversions; the forward dequantizes per expert)."""
+        pairs = [self.expert_weights(e) for e in range(self.gate_up_packed.shape[0])]
+        return torch.stack([g for g, _ in pairs]), torch.stack([d for _, d in pairs])
+
+
+class Fp4Experts(QuantizedExperts):
     """w = e2m1 * e4m3 scale (per 16 inputs) * fp32 global scale; gate, up and down each carry
     their own global scale, as NVIDIA's checkpoints do."""
+
+    fp4_format = "nvfp4"
 
     def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32) -> None:
         nn.Module.__init__(self)
@@ -84,12 +103,6 @@ class Fp4Experts(Experts):
         )
         return gate_up, down
 
-    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every expert dequantized: (gate_up [E, 2I, hidden], down [E, hidden, I]), the
-        layout of `Experts` (tests and conversions; the forward dequantizes per expert)."""
-        pairs = [self.expert_weights(e) for e in range(self.gate_up_packed.shape[0])]
-        return torch.stack([g for g, _ in pairs]), torch.stack([d for _, d in pairs])
-
     @torch.no_grad()
     def init_dummy(self, generator: torch.Generator) -> None:
         """Random codes, unit block scales, and a global scale giving fan-in-scaled weights
@@ -102,7 +115,45 @@ class Fp4Experts(Experts):
                 torch.randint(0, 256, packed.shape, generator=generator, device=packed.device)
             )
             scale.fill_(1.0)
-            scale_2.fill_(1.0 / (2.93 * (2 * packed.shape[-1]) ** 0.5))
+            scale_2.fill_(1.0 / (E2M1_RMS * (2 * packed.shape[-1]) ** 0.5))
+
+
+class Mxfp4Experts(QuantizedExperts):
+    """w = e2m1 * 2^(e8m0 byte - 127), one power-of-two scale per 32 inputs and no global scale:
+    DeepSeek's native routed experts. Scales are kept as their raw bytes (uint8)."""
+
+    fp4_format = "mxfp4"
+
+    def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32) -> None:
+        nn.Module.__init__(self)
+        e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        if h % MXFP4_BLOCK or i % MXFP4_BLOCK:
+            raise ValueError("MXFP4 experts need hidden and intermediate sizes divisible by 32")
+        self.limit, self.dtype = config.swiglu_limit, dtype
+        u8 = torch.uint8
+        self.register_buffer("gate_up_packed", torch.zeros(e, 2 * i, h // 2, dtype=u8))
+        self.register_buffer("gate_up_scale", torch.zeros(e, 2 * i, h // MXFP4_BLOCK, dtype=u8))
+        self.register_buffer("down_packed", torch.zeros(e, h, i // 2, dtype=u8))
+        self.register_buffer("down_scale", torch.zeros(e, h, i // MXFP4_BLOCK, dtype=u8))
+
+    def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            dequantize_mxfp4(self.gate_up_packed[e], self.gate_up_scale[e], self.dtype),
+            dequantize_mxfp4(self.down_packed[e], self.down_scale[e], self.dtype),
+        )
+
+    @torch.no_grad()
+    def init_dummy(self, generator: torch.Generator) -> None:
+        """Random codes and the power-of-two scale nearest to fan-in scaling."""
+        for packed, scale in (
+            (self.gate_up_packed, self.gate_up_scale),
+            (self.down_packed, self.down_scale),
+        ):
+            packed.copy_(
+                torch.randint(0, 256, packed.shape, generator=generator, device=packed.device)
+            )
+            exponent = round(-math.log2(E2M1_RMS * (2 * packed.shape[-1]) ** 0.5))
+            scale.fill_(127 + exponent)
 
 
 def _triton_dequant(*args) -> torch.Tensor:
@@ -114,4 +165,6 @@ def _triton_dequant(*args) -> torch.Tensor:
 def make_experts(config: DeepseekV4Config, dtype: torch.dtype) -> Experts:
     if config.expert_format == "nvfp4":
         return Fp4Experts(config, dtype)
+    if config.expert_format == "mxfp4":
+        return Mxfp4Experts(config, dtype)
     return Experts(config, dtype)
