@@ -190,10 +190,12 @@ def _pick_ops(backend: str, device: torch.device) -> tuple[AttentionOps, LayerKe
     from kvrelay.models.deepseek_v4.sparse_attention import sparse_mqa_reference
 
     if backend == "triton" or (backend == "auto" and device.type == "cuda"):
+        from kvrelay.kernels.triton_compressor import pool_windows
         from kvrelay.kernels.triton_indexer import indexer_topk
         from kvrelay.kernels.triton_mhc import hc_gates
         from kvrelay.kernels.triton_moe import fused_experts
         from kvrelay.kernels.triton_sparse_attention import sparse_mqa
 
-        return AttentionOps(sparse_mqa, indexer_topk), LayerKernels(fused_experts, hc_gates)
+        ops = AttentionOps(sparse_mqa, indexer_topk, pool_windows)
+        return ops, LayerKernels(fused_experts, hc_gates)
     return AttentionOps(sparse_mqa_reference, indexer_topk_reference), None

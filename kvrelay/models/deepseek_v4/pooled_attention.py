@@ -16,17 +16,23 @@ import torch
 
 from kvrelay.models.deepseek_v4.attention import Attention
 from kvrelay.models.deepseek_v4.batch_meta import BatchMeta, StepIndex
-from kvrelay.models.deepseek_v4.pooled_compressor import compress_step
+from kvrelay.models.deepseek_v4.pooled_compressor import (
+    PoolWindows,
+    compress_step,
+    pool_windows_reference,
+)
 
 
 @dataclass(frozen=True)
 class AttentionOps:
-    """The two gather-heavy ops, torch references or Triton kernels with the same contract:
+    """The gather-heavy ops, torch references or Triton kernels with the same contract:
     sparse_mqa(q, kv_a, idx_a, kv_b, idx_b, sinks, scale) -> [T, H, D];
-    indexer_topk(q, w, keys, key_scale, key_rows, seq, n_visible, topk) -> [T, K] entries."""
+    indexer_topk(q, w, keys, key_scale, key_rows, seq, n_visible, topk) -> [T, K] entries;
+    pool_windows: the compressors' window gather + pooling (`pool_windows_reference`)."""
 
     sparse_mqa: Callable
     indexer_topk: Callable
+    pool_windows: PoolWindows = pool_windows_reference
 
 
 def pooled_attention(
@@ -56,11 +62,11 @@ def pooled_attention(
         def store_entries(rows: torch.Tensor, e: torch.Tensor) -> None:
             entries.index_copy_(0, rows, e.to(entries.dtype))
 
-        _compress(comp, x, meta, index, pool.comp_slots[layer], store_entries)
+        _compress(comp, x, meta, index, pool.comp_slots[layer], store_entries, ops)
         if attn.indexer is not None:
             _compress(
                 attn.indexer, x, meta, index, pool.index_slots[layer],
-                lambda rows, e: pool.store_index_k(layer, rows, e),
+                lambda rows, e: pool.store_index_k(layer, rows, e), ops,
             )  # fmt: skip
             cmp_idx = _select(attn, x, qr, cos, sin, meta, index, pool, layer, ops)
         else:  # HCA: every complete window is visible
@@ -69,12 +75,12 @@ def pooled_attention(
     return attn.output(o, cos, sin)
 
 
-def _compress(comp, x, meta: BatchMeta, index: StepIndex, slots, store) -> None:
+def _compress(comp, x, meta: BatchMeta, index: StepIndex, slots, store, ops) -> None:
     r = comp.ratio
     rows = index.entry_rows_of
     compress_step(
         comp, x, meta, slots.pending_kv, slots.pending_score, slots.prev_kv, slots.prev_score,
-        lambda seq, e: rows(r, seq, e), store,
+        lambda seq, e: rows(r, seq, e), store, ops.pool_windows,
     )  # fmt: skip
 
 

@@ -16,39 +16,36 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kvrelay.models.deepseek_v4.batch_meta import BatchMeta
+from kvrelay.models.deepseek_v4.batch_meta import BatchMeta, Closers
 from kvrelay.models.deepseek_v4.compressor import Compressor
 from kvrelay.models.deepseek_v4.precision import wide
 
 
-def compress_step(
-    comp: Compressor,
-    x: torch.Tensor,
-    meta: BatchMeta,
+def pool_windows_reference(
+    kv: torch.Tensor,
+    score: torch.Tensor,
     pending_kv: torch.Tensor,
     pending_score: torch.Tensor,
     prev_kv: torch.Tensor | None,
     prev_score: torch.Tensor | None,
-    entry_rows_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    store: Callable[[torch.Tensor, torch.Tensor], None],
-) -> None:
-    """x: [T, hidden] normed inputs. Slot tensors: [slots, r, coff*d] (prev: [slots, r, d]).
-    `entry_rows_of(seq, entry)` maps closers to pool rows; `store(rows, entries)` writes them."""
-    r, d, coff = comp.ratio, comp.dim, comp.coff
-    xw = wide(x)
-    kv = F.linear(xw, comp.kv_proj.weight.to(xw.dtype))
-    score = (
-        F.linear(xw, comp.gate_proj.weight.to(xw.dtype)) + comp.position_bias[meta.positions % r]
-    )
+    meta: BatchMeta,
+    cl: Closers,
+    r: int,
+    d: int,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """The windows the closers complete, gathered and pooled: (pooled [C, d] wide, and for
+    overlapping compressors the closing window's first halves (kv, score) [C, r, d], which the
+    caller leaves in the prev state). kv, score: this step's projections [T, coff*d]; slot
+    tensors as in `compress_step`. The torch reference of `kernels.triton_compressor`."""
+    overlap = prev_kv is not None
+    coff = 2 if overlap else 1
     t_n = kv.shape[0]
     pk, ps = pending_kv.view(-1, coff * d), pending_score.view(-1, coff * d)
-
-    cl = meta.closers[r]
     seq = meta.seq[cl.rows]
     start, slot = meta.chunk_start[seq], meta.slots[seq]
     base = meta.tok_base[seq]
     wstart = meta.positions[cl.rows] + 1 - r  # first position of the closing window
-    offs = torch.arange(r, device=x.device)
+    offs = torch.arange(r, device=kv.device)
 
     def locate(q: torch.Tensor):
         """(in this step?, row in this step's projections, row in the slot tensors)."""
@@ -61,29 +58,61 @@ def compress_step(
     in_step, tok, flat = locate(cur)
     cur_kv = torch.where(in_step[..., None], kv[tok], pk[flat])  # [C, r, coff*d]
     cur_score = torch.where(in_step[..., None], score[tok], ps[flat])
-    if comp.overlap:
-        prv = cur - r
-        p_step, p_tok, p_flat = locate(prv)
-        open_start = start // r * r  # the window open when the step began sits in pending
-        p_pending = (prv >= open_start[:, None])[..., None]
-        first = prv[:, :1] >= 0  # [C, 1]: no previous window before the first one
-        prev_kv_g = torch.where(
-            p_step[..., None],
-            kv[p_tok, :d],
-            torch.where(p_pending, pk[p_flat, :d], prev_kv.view(-1, d)[p_flat]),
-        )
-        prev_score_g = torch.where(
-            p_step[..., None],
-            score[p_tok, :d],
-            torch.where(p_pending, ps[p_flat, :d], prev_score.view(-1, d)[p_flat]),
-        )
-        prev_kv_g = torch.where(first[..., None], prev_kv_g, 0.0)
-        prev_score_g = torch.where(first[..., None], prev_score_g, float("-inf"))
-        pool_kv = torch.cat((prev_kv_g, cur_kv[:, :, d:]), dim=1)
-        pool_score = torch.cat((prev_score_g, cur_score[:, :, d:]), dim=1)
-    else:
-        pool_kv, pool_score = cur_kv, cur_score
+    if not overlap:
+        return (cur_score.softmax(dim=1) * cur_kv).sum(dim=1), None
+    prv = cur - r
+    p_step, p_tok, p_flat = locate(prv)
+    open_start = start // r * r  # the window open when the step began sits in pending
+    p_pending = (prv >= open_start[:, None])[..., None]
+    first = prv[:, :1] >= 0  # [C, 1]: no previous window before the first one
+    prev_kv_g = torch.where(
+        p_step[..., None],
+        kv[p_tok, :d],
+        torch.where(p_pending, pk[p_flat, :d], prev_kv.view(-1, d)[p_flat]),
+    )
+    prev_score_g = torch.where(
+        p_step[..., None],
+        score[p_tok, :d],
+        torch.where(p_pending, ps[p_flat, :d], prev_score.view(-1, d)[p_flat]),
+    )
+    prev_kv_g = torch.where(first[..., None], prev_kv_g, 0.0)
+    prev_score_g = torch.where(first[..., None], prev_score_g, float("-inf"))
+    pool_kv = torch.cat((prev_kv_g, cur_kv[:, :, d:]), dim=1)
+    pool_score = torch.cat((prev_score_g, cur_score[:, :, d:]), dim=1)
     pooled = (pool_score.softmax(dim=1) * pool_kv).sum(dim=1)
+    return pooled, (cur_kv[:, :, :d], cur_score[:, :, :d])
+
+
+PoolWindows = Callable[..., tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]]
+
+
+def compress_step(
+    comp: Compressor,
+    x: torch.Tensor,
+    meta: BatchMeta,
+    pending_kv: torch.Tensor,
+    pending_score: torch.Tensor,
+    prev_kv: torch.Tensor | None,
+    prev_score: torch.Tensor | None,
+    entry_rows_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    store: Callable[[torch.Tensor, torch.Tensor], None],
+    pool_windows: PoolWindows = pool_windows_reference,
+) -> None:
+    """x: [T, hidden] normed inputs. Slot tensors: [slots, r, coff*d] (prev: [slots, r, d]).
+    `entry_rows_of(seq, entry)` maps closers to pool rows; `store(rows, entries)` writes them;
+    `pool_windows`: the reference above or its Triton kernel."""
+    r, d = comp.ratio, comp.dim
+    xw = wide(x)
+    kv = F.linear(xw, comp.kv_proj.weight.to(xw.dtype))
+    score = (
+        F.linear(xw, comp.gate_proj.weight.to(xw.dtype)) + comp.position_bias[meta.positions % r]
+    )
+    cl = meta.closers[r]
+    pooled, first_half = pool_windows(
+        kv, score, pending_kv, pending_score, prev_kv, prev_score, meta, cl, r, d
+    )
+    seq = meta.seq[cl.rows]
+    wstart = meta.positions[cl.rows] + 1 - r
     entries = comp._finish(pooled, wstart)
     rows = entry_rows_of(seq, wstart // r)
     store(torch.where(cl.valid, rows, 0), entries)
@@ -93,10 +122,11 @@ def compress_step(
     open_after = pos >= meta.chunk_end[meta.seq] // r * r
     keep_slot = torch.where(open_after, meta.slots[meta.seq], 0)
     dst = keep_slot * r + pos % r
+    pk, ps = pending_kv.view(-1, kv.shape[1]), pending_score.view(-1, kv.shape[1])
     pk.index_copy_(0, dst, kv)
     ps.index_copy_(0, dst, score)
     # ... and the last closed window's first half to prev (overlapping compressors).
-    if comp.overlap:
-        last_slot = torch.where(cl.valid & cl.last, slot, 0)
-        prev_kv.index_copy_(0, last_slot, cur_kv[:, :, :d])
-        prev_score.index_copy_(0, last_slot, cur_score[:, :, :d])
+    if first_half is not None:
+        last_slot = torch.where(cl.valid & cl.last, meta.slots[seq], 0)
+        prev_kv.index_copy_(0, last_slot, first_half[0])
+        prev_score.index_copy_(0, last_slot, first_half[1])
