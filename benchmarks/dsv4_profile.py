@@ -36,6 +36,43 @@ def _kernel_table(prof, steps: int) -> tuple[list[dict], int, float]:
     return rows, sum(count.values()) // steps, sum(us.values()) / steps
 
 
+# kernel name -> component of the step split (first match wins; the rest is "other")
+COMPONENTS = (
+    ("moe", ("_gate_up_kernel", "_down_kernel", "_group_kernel")),
+    ("attention", ("_sparse_split_kernel", "_sparse_combine_kernel", "_score_kernel",
+                   "_select_kernel", "_pool_windows_kernel")),
+    ("mhc", ("_hc_gates_kernel",)),
+    ("norms", ("_rms_norm_wide_kernel",)),
+    ("gemm", ("nvjet", "gemm", "gemv", "splitKreduce", "dot_kernel", "cutlass")),
+)  # fmt: skip
+
+
+def component_split(rows: list[dict]) -> dict[str, float]:
+    """us per step by component, from the kernel table."""
+    out = {name: 0.0 for name, _ in COMPONENTS} | {"other": 0.0}
+    for r in rows:
+        name = next((c for c, keys in COMPONENTS if any(k in r["kernel"] for k in keys)), "other")
+        out[name] += r["us_per_step"]
+    return out
+
+
+def fit_lines(results: list[dict]) -> dict[str, tuple[float, float]]:
+    """Per component (and the graphed step), least-squares ms = a + b * batch."""
+    xs = [float(r["batch"]) for r in results]
+    series = {
+        c: [r["components_us"][c] / 1e3 for r in results] for c in results[0]["components_us"]
+    }
+    series["graphed_step"] = [r["graphed_step_ms"] for r in results]
+    n, mx = len(xs), sum(xs) / len(xs)
+    out = {}
+    for name, ys in series.items():
+        my = sum(ys) / n
+        var = sum((x - mx) ** 2 for x in xs)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+        out[name] = (my - b * mx, b)
+    return out
+
+
 def _source_table(prof, steps: int) -> list[dict]:
     """Kernel time and launches per step by (op, the innermost kvrelay source line that ran
     it): which lines of the model launch the small kernels."""
@@ -84,6 +121,7 @@ def profile_batch(engine, batch: int, ctx: int, steps: int, device: str) -> dict
         "kernel_ms_per_step": kernel_us / 1e3,
         "launches_per_step": launches,
         "kernels": rows[:40],
+        "components_us": component_split(rows),
         "sources": _source_table(prof, steps)[:60],
     }
 
@@ -115,9 +153,15 @@ def main() -> None:
         print("  by source line (most launches first):")
         for k in r["sources"][:40]:
             print(f"  {k['launches_per_step']:6.1f}x {k['us_per_step']:9.1f} us  {k['source']}")
+    lines = fit_lines(results) if len(results) > 1 else {}
+    if lines:
+        print("step split, ms = a + b * batch (kernel time; launch gaps only in graphed_step):")
+        for name, (a0, b1) in lines.items():
+            print(f"  {name:13s} a={a0:7.3f} b={b1:7.4f}")
     if a.out:
+        out = {"model": a.model, "dtype": a.dtype, "results": results, "lines": lines}
         with open(a.out, "w") as f:
-            json.dump({"model": a.model, "dtype": a.dtype, "results": results}, f, indent=1)
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ for b in ${BENCHES:-dsv4}; do
     split-dsv4) python3 benchmarks/step_split.py --model dsv4-mini --concurrency 1,8 --input-len 256 --output-len 16 --prompts-per-level 1 --every 2 --tokenizer .whl/tokenizer-smollm2 --out "$OUT/step_split_dsv4.json" 2>&1 | tee "$OUT/step_split_dsv4.log" | grep -vE "Warning|^wrote" | tail -16 ;;
     nvfp4) python3 benchmarks/nvfp4_dequant.py --out "$OUT/nvfp4_dequant.json" 2>&1 | tee "$OUT/nvfp4_dequant.log" | tail -6 ;;
     dsv4-decode) python3 benchmarks/dsv4_decode.py --out "$OUT/dsv4_decode.json" $DSV4_ARGS 2>&1 | tee "$OUT/dsv4_decode.log" | grep -v Warning | tail -20 ;;
-    profile) python3 benchmarks/dsv4_profile.py --out "$OUT/dsv4_profile.json" $PROFILE_ARGS 2>&1 | tee "$OUT/dsv4_profile.log" | grep -vE "Warning|USDT" | tail -90 ;;
+    profile) python3 benchmarks/dsv4_profile.py --out "$OUT/dsv4_profile.json" $PROFILE_ARGS 2>&1 | tee "$OUT/dsv4_profile.log" | grep -vE "Warning|USDT|^  .*us .*x " | tail -30 ;;
     moe) python3 benchmarks/moe_kernel.py --out "$OUT/moe_kernel.json" $MOE_ARGS 2>&1 | tee "$OUT/moe_kernel.log" | tail -14 ;;
     sparse-attn) python3 benchmarks/sparse_attention_kernel.py --out "$OUT/sparse_attention_kernel.json" 2>&1 | tee "$OUT/sparse_attention_kernel.log" | tail -24 ;;
     indexer) python3 benchmarks/indexer_kernel.py --out "$OUT/indexer_kernel.json" 2>&1 | tee "$OUT/indexer_kernel.log" | tail -14 ;;

@@ -118,6 +118,13 @@ class StepIndex:
             self._cache[key] = make()
         return self._cache[key]
 
+    def rope(self, table, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of every row's position under `table` (a RopeTable), computed once per
+        step for all layers whose tables are equal."""
+        return self._memo(
+            ("rope", table.key, dtype), lambda: table.cos_sin(self.meta.positions, dtype)
+        )
+
     def swa_rows(self) -> torch.Tensor:
         """[T] the flat sliding-window pool row of each row's token."""
         m = self.meta

@@ -46,7 +46,7 @@ def pooled_attention(
 ) -> torch.Tensor:
     """x: [T, hidden] normed inputs of every row -> [T, hidden]."""
     hd = attn.head_dim
-    cos, sin = attn.rope.cos_sin(meta.positions, x.dtype)
+    cos, sin = index.rope(attn.rope, x.dtype)
     qr, q, kv = attn.project(x, cos, sin)
 
     swa = pool.swa[layer].flatten(0, 1)

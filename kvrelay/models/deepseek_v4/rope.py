@@ -43,6 +43,7 @@ class RopeTable:
 
     def __init__(self, inv_freq: torch.Tensor) -> None:
         self.inv_freq = inv_freq.to(torch.float64)
+        self.key = tuple(self.inv_freq.tolist())  # equal tables share a step's cos/sin
         # per (device, dtype): copied once, so a CUDA graph capture finds no host copy to do
         self._on_device: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
