@@ -49,10 +49,10 @@ def test_health_turns_503_once_steps_keep_failing():
 
 def test_up_restarts_a_server_whose_engine_was_killed(tmp_path):
     up = _up(
-        tmp_path, "--model", "smollm2", "--max-total-tokens", "8192", "--health-timeout", "120"
+        tmp_path, "--model", "smollm2", "--max-total-tokens", "8192", "--health-timeout", "400"
     )
     try:
-        url = up.wait_for(r"kvrelay up ready: (http://\S+) ", 150)[1]
+        url = up.wait_for(r"kvrelay up ready: (http://\S+) ", 450)[1]
         assert _chat(url)
         server, decode_url = up.pid_of("decode"), up.url_of("decode")
         killed_at = time.time()
@@ -71,9 +71,9 @@ def test_up_restarts_a_server_whose_engine_was_killed(tmp_path):
         up.wait_for(
             r"child=decode unhealthy_s=\S+ cause=.*engine process died.* action=restart", 20
         )
-        up.wait_for(r"child=decode healthy pid=\d+ restarts=1", 150)
+        up.wait_for(r"child=decode healthy pid=\d+ restarts=1", 400)
         assert up.pid_of("decode") != server
-        deadline, last = time.time() + 60, None
+        deadline, last = time.time() + 120, None
         while time.time() < deadline:
             try:
                 assert _chat(url)
@@ -83,7 +83,8 @@ def test_up_restarts_a_server_whose_engine_was_killed(tmp_path):
                 time.sleep(1)
         else:
             pytest.fail(f"no successful request after the restart: {last}")
-        assert time.time() - killed_at < 200  # kill -> serving again, bounded
+        # kill -> serving again, bounded (generous: CPU test machines are shared and slow to load)
+        assert time.time() - killed_at < 600
     finally:
         if up.proc.poll() is None:
             up.proc.send_signal(signal.SIGINT)
