@@ -293,7 +293,8 @@ def run(args: argparse.Namespace) -> dict:
         t_end = time.monotonic() + 1
         for i, (fault, t0, rec) in enumerate(marks):
             t1 = marks[i + 1][1] if i + 1 < len(marks) else t_end
-            outs = [o for o in load.outcomes if t0 <= o.start < t1]
+            # By the time a request ended: one in flight when the next fault struck is its.
+            outs = [o for o in load.outcomes if t0 <= o.end < t1]
             result["faults"].append(summarize(fault, outs, rec, stack.events(t0, t1)))
     finally:
         if load is not None:
