@@ -110,3 +110,22 @@ def test_up_gives_up_on_a_child_that_keeps_dying(tmp_path, monkeypatch):
     finally:
         if up.proc.poll() is None:
             up.proc.kill()
+
+
+def test_restart_scope_stack_co_restarts_all_on_a_server_death(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVRELAY_UP_RESTART_SCOPE", "stack")
+    up = _fake_up(tmp_path)
+    try:
+        up.wait_for(r"kvrelay up ready: ", 30)
+        first = {n: up.pid_of(n) for n in ("prefill", "decode", "router")}
+        os.kill(first["prefill"], signal.SIGKILL)
+        up.wait_for(r"child=prefill exited rc=-9 .*action=co-restart", 10)
+        up.wait_for(r"co-restart begin", 10)
+        up.wait_for(r"kvrelay up ready: ", 30)
+        second = {n: up.pid_of(n) for n in first}
+        assert all(second[n] != first[n] for n in first), (first, second)
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(timeout=30) == 0
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
