@@ -74,7 +74,9 @@ def judge_turn(
         return TurnVerdict(session, k, None, error=test.output.error if test else "not run")
     c = compare(k, ref.output, test.output, near_tie)
     extra = extra_findings(test.findings, ref.findings)
-    if c.identical or not (c.near_tie and c.b_token_in_ref_top):
+    # Same token strings but different text (detokenisation) is no near-tie, whatever the gap.
+    tie = bool(c.near_tie and c.b_token_in_ref_top and c.a_token != c.b_token)
+    if c.identical or not tie:
         # Same tokens: every finding the reference lacks is damage (e.g. a different parse).
         # A real divergence: corrupt anyway; its findings show what the damage looks like.
         return TurnVerdict(session, k, c, new_findings=extra)

@@ -222,3 +222,11 @@ def test_no_false_positives_over_200_sessions(server, tmp_path):
     assert level["compared"] == 200 and level["corrupted"] == 0
     assert level["divergent_turns"] == 0 and level["near_tie_turns"] == 0
     assert level["ci95"][1] < 0.02
+
+
+def test_same_tokens_different_text_is_no_near_tie():
+    ref = turn("A|x", [{"A": -0.5, "B": -0.55}, {}])
+    test = turn("A|x")
+    test.output.text = "A x"  # the detokeniser disagreed: damage, not numerics
+    v = judge_turn(0, 0, ref, test, 0.1)
+    assert v.diverged and not v.near_tie and v.corrupt
