@@ -107,6 +107,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="P,K",
         help="TEST ONLY: swap a sampled token with probability P when the batch exceeds K",
     )
+    g.add_argument(
+        "--test-fault-sticky-error",
+        type=int,
+        default=d.fault_sticky_error_after,
+        metavar="N",
+        help="TEST ONLY: from the N-th batch step on, every forward fails, as after a sticky "
+        "CUDA error (0: off)",
+    )
     x = DisaggConfig()
     g = p.add_argument_group("prefill-decode disaggregation")
     g.add_argument(
@@ -274,6 +282,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         ),
         fault_swap_token_p=p,
         fault_swap_token_min_batch=k,
+        fault_sticky_error_after=a.test_fault_sticky_error,
         role=a.role,
         disagg=DisaggConfig(
             transfer_backend=a.transfer_backend,

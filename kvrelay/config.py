@@ -102,6 +102,8 @@ class EngineConfig:
     # Test-only: swap a sampled token with probability p when the batch is larger than k.
     fault_swap_token_p: float = 0.0
     fault_swap_token_min_batch: int = 0
+    # Test-only: from the N-th batch step on, every forward raises, as after a sticky CUDA error.
+    fault_sticky_error_after: int = 0
     role: str = "single"  # single | prefill | decode
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
@@ -163,6 +165,36 @@ ENV_KNOBS: dict[str, EnvKnob] = {
     for k in (
         EnvKnob("KVRELAY_LOG_LEVEL", "INFO", "log level of every kvrelay process"),
         EnvKnob("KVRELAY_ENGINE_START_TIMEOUT_S", "600", "seconds to wait for the engine to load"),
+        EnvKnob(
+            "KVRELAY_HEALTH_MAX_FAILED_STEPS",
+            "3",
+            "a server's /health answers 503 once this many engine steps in a row have failed "
+            "(a sticky device error fails every step while the process lives)",
+        ),
+        EnvKnob(
+            "KVRELAY_UP_UNHEALTHY_S",
+            "5",
+            "`kvrelay up` restarts a server whose /health has failed for this many seconds since "
+            "it was last healthy (a dead engine, steps failing, or no answer)",
+        ),
+        EnvKnob(
+            "KVRELAY_UP_MAX_RESTARTS",
+            "5",
+            "`kvrelay up` gives up (stops the stack, exit 1) when one child needs more restarts "
+            "than this within KVRELAY_UP_RESTART_WINDOW_S",
+        ),
+        EnvKnob(
+            "KVRELAY_UP_RESTART_WINDOW_S",
+            "600",
+            "seconds over which KVRELAY_UP_MAX_RESTARTS counts",
+        ),
+        EnvKnob(
+            "KVRELAY_UP_RESTART_SCOPE",
+            "server",
+            "what `kvrelay up` restarts when a server fails: 'server' (that one alone: peers carry "
+            "instance ids, so the other side re-bootstraps) or 'stack' (prefill, decode and "
+            "router together)",
+        ),
         EnvKnob(
             "KVRELAY_CPU_THREADS", "0", "torch threads in the engine on CPU (0: torch default)"
         ),

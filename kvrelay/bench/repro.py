@@ -15,8 +15,10 @@ sessions whose output was damaged.
 
 A turn is corrupt when it diverges from the reference (unless the divergence is a near-tie: the
 reference's top-2 logprob gap there is below `--near-tie` and the test's token is its runner-up,
-which is numerics, not damage), or when a detector finds something the reference reply does not
-have. A session is corrupt when any turn is. Per level: corrupt sessions / compared sessions with
+which is numerics, not damage), or when a detector finds, in the part of the turn that matches the
+reference token for token, something the reference reply does not have. Findings after a near-tie
+are reported apart and not counted (repro_judge.py). A session is corrupt when any turn is. The
+reference's own findings are reported as the baseline. Per level: corrupt sessions / compared sessions with
 a 95% Wilson interval. Exit 0: no corruption; 1: corruption; 2: could not run, or requests
 failed and nothing was corrupt.
 """
@@ -28,21 +30,16 @@ import asyncio
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import httpx
 
 from kvrelay.bench import repro_sessions as sessions
-from kvrelay.bench.detectors import DETECTORS, Finding, Reply, detect
+from kvrelay.bench.detectors import DETECTORS, Reply, detect
 from kvrelay.bench.loadgen import BenchError, resolve_model
-from kvrelay.bench.repro_report import highlight, print_report, wilson
-from kvrelay.bench.verify import (
-    DEFAULT_NEAR_TIE,
-    Comparison,
-    Output,
-    compare,
-    divergence_histogram,
-)
+from kvrelay.bench.repro_judge import Turn, TurnVerdict, judge_level
+from kvrelay.bench.repro_report import highlight, print_report
+from kvrelay.bench.verify import DEFAULT_NEAR_TIE, Output
 from kvrelay.bench.workloads import CHAT, TOOLS
 from kvrelay.config import api_key_headers
 
@@ -74,16 +71,6 @@ class ReproConfig:
                 raise BenchError(f"--{name.replace('_', '-')} must be at least 1")
         if not self.concurrency or min(self.concurrency) < 1:
             raise BenchError("--concurrency needs levels of at least 1")
-
-
-@dataclass
-class Turn:
-    """One request of a session and what came back."""
-
-    body: dict  # the request without `model`
-    output: Output  # text and logprob tokens, as verify compares them
-    reply: Reply
-    findings: list[Finding] = field(default_factory=list)
 
 
 # --- talking to the server --------------------------------------------------------------------------
@@ -194,88 +181,6 @@ class Runner:
 # --- judging ----------------------------------------------------------------------------------------
 
 
-@dataclass
-class TurnVerdict:
-    session: int
-    turn: int
-    comparison: Comparison | None  # None on error
-    near_tie: bool = False  # diverged, but on a near-tie: not counted
-    new_findings: list[Finding] = field(default_factory=list)
-    error: str | None = None
-
-    @property
-    def diverged(self) -> bool:
-        return self.comparison is not None and not self.comparison.identical
-
-    @property
-    def corrupt(self) -> bool:
-        return (self.diverged and not self.near_tie) or bool(self.new_findings)
-
-
-def judge_turn(session: int, k: int, ref: Turn, test: Turn | None, near_tie: float) -> TurnVerdict:
-    if test is None or test.output.error:
-        return TurnVerdict(session, k, None, error=test.output.error if test else "not run")
-    c = compare(k, ref.output, test.output, near_tie)
-    benign = bool(c.near_tie and c.b_token_in_ref_top)
-    # A finding counts when the test reply has more of that kind than the reference reply.
-    extra = Counter(f.detector for f in test.findings) - Counter(f.detector for f in ref.findings)
-    new = [f for f in test.findings if extra[f.detector] > 0]
-    return TurnVerdict(session, k, c, near_tie=not c.identical and benign, new_findings=new)
-
-
-def judge_level(
-    concurrency: int,
-    reference: list[list[Turn]],
-    tested: list[list[Turn]],
-    secs: float,
-    near_tie: float,
-) -> tuple[dict, list[TurnVerdict]]:
-    verdicts: list[TurnVerdict] = []
-    corrupt = clean = incomplete = 0
-    for s, (ref, test) in enumerate(zip(reference, tested, strict=True)):
-        vs = [
-            judge_turn(s, k, r, test[k] if k < len(test) else None, near_tie)
-            for k, r in enumerate(ref)
-            if not r.output.error
-        ]
-        verdicts += vs
-        if any(v.corrupt for v in vs):
-            corrupt += 1
-        elif any(v.error for v in vs) or any(r.output.error for r in ref):
-            incomplete += 1  # nothing wrong seen, but not all of it could be compared
-        else:
-            clean += 1
-    compared = corrupt + clean
-    detectors = Counter(f.detector for v in verdicts for f in v.new_findings)
-    level = {
-        "concurrency": concurrency,
-        "sessions": len(reference),
-        "compared": compared,
-        "corrupted": corrupt,
-        "incomplete": incomplete,
-        "rate": corrupt / compared if compared else 0.0,
-        "ci95": list(wilson(corrupt, compared)),
-        "turns": len(verdicts),
-        "divergent_turns": sum(1 for v in verdicts if v.diverged and not v.near_tie),
-        "near_tie_turns": sum(1 for v in verdicts if v.near_tie),
-        "failed_requests": sum(1 for v in verdicts if v.error),
-        "detectors": {d: detectors[d] for d in DETECTORS},
-        "corrupted_sessions": sorted({v.session for v in verdicts if v.corrupt}),
-        # [session, turn, first divergent token] of every counted divergence
-        "divergences": [
-            [v.session, v.turn, v.comparison.first_divergence]
-            for v in verdicts
-            if v.diverged and not v.near_tie
-        ],
-        "divergence_histogram": divergence_histogram(
-            [v.comparison.first_divergence for v in verdicts if v.diverged and not v.near_tie]
-        ),
-        "duration_s": secs,
-        "output_tokens": sum(len(t.output.tokens) for ts in tested for t in ts),
-    }
-    return level, verdicts
-
-
 def example(concurrency: int, v: TurnVerdict, ref: Turn, test: Turn) -> dict:
     c = v.comparison
     pos = c.first_divergence if c is not None and not c.identical else None
@@ -288,6 +193,7 @@ def example(concurrency: int, v: TurnVerdict, ref: Turn, test: Turn) -> dict:
         "test_token": c.b_token if pos is not None else None,
         "ref_top2_gap": c.ref_top2_gap if pos is not None else None,
         "findings": [asdict(f) for f in v.new_findings],
+        "after_near_tie": [asdict(f) for f in v.after_near_tie],
         "highlight": None if pos is None else highlight(ref.output.tokens, test.output.tokens, pos),
         "reference_text": ref.output.text,
         "test_text": test.output.text,
@@ -334,7 +240,7 @@ async def run_repro(cfg: ReproConfig, on_pass=None) -> dict:
         levels, cases = [], []
         for c in cfg.concurrency:
             tested, secs = await runner.run([runner.forced_session(r) for r in reference], c)
-            level, verdicts = judge_level(c, reference, tested, secs, cfg.near_tie)
+            level, verdicts = judge_level(c, reference, tested, secs, cfg.near_tie, cfg.ignore_eos)
             levels.append(level)
             cases += [
                 (c, v, reference[v.session][v.turn], tested[v.session][v.turn])
@@ -370,6 +276,8 @@ async def run_repro(cfg: ReproConfig, on_pass=None) -> dict:
             "output_tokens": sum(len(t.output.tokens) for t in ref_turns),
             "tokens_per_session": [sum(len(t.output.tokens) for t in ts) for ts in reference],
             "detectors": {d: ref_findings[d] for d in DETECTORS},
+            # A batched reference carries batch-mix numerics (and any concurrency bug) itself.
+            "batched": cfg.reference_concurrency > 1,
         },
         "levels": levels,
         "examples": worst_examples(cases, cfg.num_examples),
@@ -402,7 +310,9 @@ def add_repro_parser(subparsers) -> argparse.ArgumentParser:
         "level (teacher forcing: later turns carry the reference's replies, so one divergence "
         "cannot spread). A turn is corrupt when it diverges from the reference (near-ties "
         "excepted) or when a detector (tool-call parse, argument schema, tag balance, leaked "
-        "special tokens, n-gram loops) finds what the reference reply does not have. Reports "
+        "special tokens, n-gram loops) finds, in the part that matches the reference token for "
+        "token, what the reference reply does not have; findings after a near-tie are reported "
+        "apart, not counted. Reports "
         "the corrupt-session rate per level with a 95% Wilson interval and the worst examples. "
         "Exit 0: no corruption; 1: corruption; 2: could not run.",
     )

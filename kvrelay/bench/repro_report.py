@@ -51,8 +51,13 @@ def print_report(result: dict, out) -> None:
         f"{ref['sessions']} sessions x {result['config']['turns']} turns, {ref['duration_s']}s, "
         f"failed requests {ref['failed_requests']}\n"
         f"  its own findings (the model's habits, not counted): {_counts(ref['detectors'])}\n"
-        f"under test: {result['url']}\n"
     )
+    if ref.get("batched"):
+        out.write(
+            f"  note: the reference itself ran at concurrency {ref['concurrency']} > 1, so it is "
+            "not a batch-free baseline: damage that also struck it goes unseen\n"
+        )
+    out.write(f"under test: {result['url']}\n")
     out.write(
         f"{'conc':>5} {'sessions':>8} {'corrupt':>7} {'rate':>6} {'95% CI':>15} {'div turns':>9} "
         f"{'near-tie':>8} {'failed':>6} {'secs':>7}  new detector findings\n"
@@ -65,6 +70,11 @@ def print_report(result: dict, out) -> None:
             f"{lv['divergent_turns']:>9} {lv['near_tie_turns']:>8} {lv['failed_requests']:>6} "
             f"{lv['duration_s']:>7}  {_counts(lv['detectors'])}\n"
         )
+        if lv.get("after_near_tie_turns"):
+            out.write(
+                f"{'':>5} after a near-tie (other text, not counted): "
+                f"{_counts(lv['after_near_tie'])} in {lv['after_near_tie_turns']} turns\n"
+            )
     if result["examples"]:
         out.write("worst examples (reference text, then [[reference|test]] and the test's text):\n")
     for i, ex in enumerate(result["examples"], 1):

@@ -36,6 +36,7 @@ class Engine:
         self.profiler = StepProfiler(self.runner.device)
         self.profile_every = cfg.step_profile_every  # 0: no step is profiled
         self._batch_steps = 0  # steps that ran a batch, for profile_every
+        self.failed_steps = 0  # batch steps in a row whose forward raised
         self.agent = None  # PD transfer agent (prefill: sender, decode: receiver)
         if cfg.role == "prefill":
             from kvrelay.disagg.sender import PrefillSender
@@ -128,6 +129,7 @@ class Engine:
             num_tokens=num_tokens,
             num_prefill=num_prefill,
             components=components,
+            failed_steps=self.failed_steps,
         )
 
     def _fail(self, req: Request, reason: str, error: str | None = None) -> None:
@@ -149,6 +151,10 @@ class Engine:
         every, self._batch_steps = self.profile_every, self._batch_steps + 1
         profile = self.profiler if every > 0 and self._batch_steps % every == 0 else None
         try:
+            if 0 < self.cfg.fault_sticky_error_after <= self._batch_steps:
+                raise RuntimeError(
+                    "CUDA error: an illegal memory access was encountered (test fault)"
+                )
             logits = self.runner.forward(batch, profile)
             sampling = [s.req for s in batch if s.samples]
             result = sample(
@@ -158,7 +164,10 @@ class Engine:
                 [r.generator for r in sampling],
             )
         except Exception as e:  # a broken batch fails its requests, never the engine
-            log.exception("forward failed batch_size=%d", len(batch))
+            self.failed_steps += 1  # /health turns 503 when they keep failing (a sticky error)
+            log.exception(
+                "forward failed batch_size=%d failed_steps=%d", len(batch), self.failed_steps
+            )
             for s in batch:
                 self._fail(s.req, "error", f"internal error: {type(e).__name__}: {e}")
             outputs += self._pending
@@ -167,6 +176,7 @@ class Engine:
             if profile is not None:
                 profile.finish(self.last_step_ms)  # drops the broken step's regions
             return StepOutputs(outputs, self.stats())
+        self.failed_steps = 0
         self.scheduler.advance(batch)
         fault = self._fault_active(len(batch))
         for i, req in enumerate(sampling):

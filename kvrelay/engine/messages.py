@@ -67,6 +67,7 @@ class EngineStats(msgspec.Struct):
     batch_size: int
     num_tokens: int
     num_prefill: int = 0  # sequences of the step that were prefill chunks (the rest decoded)
+    failed_steps: int = 0  # batch steps in a row whose forward raised (0 after a good step)
     # A profiled step: ms per component (attention, mlp | moe, communication, other).
     components: dict[str, float] | None = None
     pd_transfers: dict[str, int] | None = None  # PD roles: transfers per state (the agent's)

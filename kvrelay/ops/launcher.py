@@ -1,8 +1,12 @@
 """`kvrelay up`: start router + prefill + decode on one machine, health-gate, supervise, restart.
 
 Each child runs in its own process group with its own log file. Readiness is gated on `/health`
-(servers first, then the router). A child that exits unexpectedly is restarted on its same ports;
-SIGHUP co-restarts the whole stack; SIGINT/SIGTERM stops it (router first) and returns 0.
+(servers first, then the router). A child that exits unexpectedly is restarted on its same ports,
+and so is a server whose `/health` keeps failing after it was healthy (its engine died, or every
+step fails): that server alone, or the whole stack (KVRELAY_UP_RESTART_SCOPE). Restarts back off;
+a child that needs more than KVRELAY_UP_MAX_RESTARTS within KVRELAY_UP_RESTART_WINDOW_S stops the
+stack (exit 1) with a log line saying so. SIGHUP co-restarts the whole stack; SIGINT/SIGTERM stops
+it (router first) and returns 0.
 The stack's PD secret (and its API key, if any) reach the children through their environment
 (KVRELAY_PD_SECRET, KVRELAY_API_KEY), never their command lines, which other users can read.
 """
@@ -10,6 +14,7 @@ The stack's PD secret (and its API key, if any) reach the children through their
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -24,9 +29,13 @@ from typing import IO
 
 import httpx
 
+from kvrelay.config import env
+
 log = logging.getLogger("kvrelay.launcher")
 
 PR_SET_PDEATHSIG = 1
+PROBE_S = 1.0  # /health of each running child, this often
+KILL_GRACE_S = 5.0  # an unhealthy server gets this long to exit on SIGTERM: it serves nothing
 
 
 class LaunchError(Exception):
@@ -65,6 +74,12 @@ class LaunchConfig:
     health_timeout_s: float = 600.0
     stop_timeout_s: float = 20.0
     max_backoff_s: float = 30.0
+    unhealthy_s: float = field(default_factory=lambda: float(env("KVRELAY_UP_UNHEALTHY_S")))
+    max_restarts: int = field(default_factory=lambda: int(env("KVRELAY_UP_MAX_RESTARTS")))
+    restart_window_s: float = field(
+        default_factory=lambda: float(env("KVRELAY_UP_RESTART_WINDOW_S"))
+    )
+    restart_scope: str = field(default_factory=lambda: env("KVRELAY_UP_RESTART_SCOPE"))
     api_key: str = field(default="", repr=False)  # "": none
     pd_secret: str = field(default="", repr=False)  # shared by the router and both servers
 
@@ -87,7 +102,10 @@ class Child:
     restarts: int = 0
     backoff_s: float = 0.0
     due_at: float | None = None  # when a crashed child is to be restarted
-    healthy: bool = False
+    healthy: bool = False  # has answered /health 200 since it was (re)started
+    last_ok: float = 0.0  # when /health last answered 200
+    next_probe: float = 0.0
+    restart_times: list[float] = field(default_factory=list)  # within the restart window
 
     @property
     def name(self) -> str:
@@ -158,6 +176,11 @@ class Launcher:
         self.on_ready = on_ready
         self.poll_s = poll_s
         self.flags = Flags()
+        self.gave_up: str | None = None  # why the stack was given up on
+        if cfg.restart_scope not in ("server", "stack"):
+            raise ValueError(
+                f"restart scope must be 'server' or 'stack', not {cfg.restart_scope!r}"
+            )
         Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
         self.children = [Child(s) for s in build_specs(cfg)]
         self.by_name = {c.name: c for c in self.children}
@@ -197,6 +220,7 @@ class Launcher:
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
         c.started_at, c.healthy, c.due_at = time.monotonic(), False, None
+        c.next_probe = c.started_at
         log.info(
             "child=%s pid=%d url=%s log=%s restarts=%d",
             c.name,
@@ -233,10 +257,22 @@ class Launcher:
             pass
 
     def _is_healthy(self, c: Child) -> bool:
+        return self._probe(c)[0]
+
+    @staticmethod
+    def _probe(c: Child) -> tuple[bool, bool, str]:
+        """(healthy, answered at all, the cause a 503 names)."""
         try:
-            return httpx.get(c.spec.url + "/health", timeout=2.0).status_code == 200
-        except httpx.HTTPError:
-            return False
+            r = httpx.get(c.spec.url + "/health", timeout=2.0)
+        except httpx.HTTPError as e:
+            return False, False, f"no answer: {type(e).__name__}"
+        if r.status_code == 200:
+            return True, True, ""
+        try:
+            cause = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            cause = r.text[:200]
+        return False, True, f"HTTP {r.status_code}: {cause}"
 
     def _wait_healthy(self, group: list[Child]) -> None:
         deadline = time.monotonic() + self.cfg.health_timeout_s
@@ -253,7 +289,7 @@ class Launcher:
                         f"see {c.spec.log_path}"
                     )
                 if self._is_healthy(c):
-                    c.healthy = True
+                    c.healthy, c.last_ok = True, time.monotonic()
                     log.info("child=%s healthy pid=%d", c.name, c.proc.pid)
             if time.monotonic() > deadline:
                 late = [c.name for c in group if not c.healthy]
@@ -293,35 +329,74 @@ class Launcher:
             self.on_ready(self.router_url, model)
 
     def supervise_once(self) -> None:
-        """Notice crashed children, schedule and perform their restarts, health-gate them."""
+        """Notice crashed or unhealthy children, schedule and perform their restarts."""
         now = time.monotonic()
         for c in self.children:
             if c.proc is not None and c.proc.poll() is not None:
-                rc = c.proc.returncode
-                uptime = now - c.started_at
-                self._kill_group(c.proc.pid)  # an orphaned engine would hold the GPU and ports
-                if c.log_file is not None:
-                    c.log_file.close()
-                    c.log_file = None
-                c.proc, c.healthy = None, False
-                c.backoff_s = (
-                    0.5 if uptime > 60 else min(max(c.backoff_s * 2, 1.0), self.cfg.max_backoff_s)
-                )
-                c.due_at = now + c.backoff_s
-                log.warning(
-                    "child=%s exited rc=%s uptime_s=%.1f action=restart in_s=%.1f restarts=%d",
-                    c.name,
-                    rc,
-                    uptime,
-                    c.backoff_s,
-                    c.restarts + 1,
-                )
+                self._failed(c, f"exited rc={c.proc.returncode}", now)
+            elif c.proc is not None and now >= c.next_probe:
+                self._check(c, now)
+            if self.gave_up or self.flags.hup:
+                return
             if c.proc is None and c.due_at is not None and now >= c.due_at:
                 c.restarts += 1
                 self._spawn(c)
-            if c.proc is not None and not c.healthy and self._is_healthy(c):
-                c.healthy = True
+
+    def _check(self, c: Child, now: float) -> None:
+        """Probe /health. A server that was healthy and has failed it for unhealthy_s is
+        restarted (its engine died or every step fails: it serves nothing); so is a restarted
+        one that never became healthy. The router's 503 means a server is down, not the router:
+        only a router that does not answer at all is restarted."""
+        c.next_probe = now + PROBE_S
+        ok, answered, cause = self._probe(c)
+        if ok:
+            if not c.healthy:
                 log.info("child=%s healthy pid=%d restarts=%d", c.name, c.proc.pid, c.restarts)
+            c.healthy, c.last_ok = True, now
+            return
+        if c.name == "router" and answered:
+            return
+        if c.healthy and now - c.last_ok >= self.cfg.unhealthy_s:
+            self._failed(c, f"unhealthy_s={now - c.last_ok:.1f} cause={json.dumps(cause)}", now)
+        elif not c.healthy and now - c.started_at > self.cfg.health_timeout_s:
+            self._failed(c, f"not healthy within {self.cfg.health_timeout_s:g}s", now)
+
+    def _failed(self, c: Child, why: str, now: float) -> None:
+        """Stop what is left of the child; restart it (or the stack) after a backoff, or give up."""
+        uptime = now - c.started_at
+        if c.proc is not None and c.proc.poll() is None:
+            self._stop(c, KILL_GRACE_S)
+        elif c.proc is not None:
+            self._kill_group(c.proc.pid)  # an orphaned engine would hold the GPU and ports
+            c.proc.wait()
+            if c.log_file is not None:
+                c.log_file.close()
+                c.log_file = None
+        c.proc, c.healthy = None, False
+        window = self.cfg.restart_window_s
+        c.restart_times = [t for t in c.restart_times if now - t < window] + [now]
+        if len(c.restart_times) > self.cfg.max_restarts:
+            self.gave_up = (
+                f"child={c.name} {why} restarts_in_window={len(c.restart_times)} "
+                f"window_s={window:g} max_restarts={self.cfg.max_restarts}"
+            )
+            log.error("%s action=give_up: stopping the stack", self.gave_up)
+            return
+        c.backoff_s = 0.5 if uptime > 60 else min(max(c.backoff_s * 2, 1.0), self.cfg.max_backoff_s)
+        stack = self.cfg.restart_scope == "stack" and c.name != "router"
+        log.warning(
+            "child=%s %s uptime_s=%.1f action=%s in_s=%.1f restarts=%d",
+            c.name,
+            why,
+            uptime,
+            "co-restart" if stack else "restart",
+            0.0 if stack else c.backoff_s,
+            c.restarts + 1,
+        )
+        if stack:
+            self.flags.hup = True  # run() co-restarts prefill, decode and router
+        else:
+            c.due_at = now + c.backoff_s
 
     def run(self) -> int:
         """Start, supervise until SIGINT/SIGTERM, stop. 0 on a clean stop, 1 if startup failed."""
@@ -333,6 +408,9 @@ class Launcher:
                 log.error("startup failed error=%s", e)
                 return 1
             while not self.flags.stop:
+                if self.gave_up:
+                    log.error("gave up: %s", self.gave_up)
+                    return 1
                 if self.flags.hup:
                     self.flags.hup = False
                     log.info("co-restart begin")

@@ -121,8 +121,9 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if not state.client.healthy:
-            raise unavailable(state.client.dead_reason or "engine not ready")
+        reason = state.client.unhealthy_reason()
+        if reason is not None:
+            raise unavailable(reason)
         return PlainTextResponse("ok")
 
     @app.get("/health_generate")

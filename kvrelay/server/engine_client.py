@@ -1,7 +1,8 @@
 """The API process's handle on the engine process: start it, send requests, route its outputs.
 
 A watchdog notices an engine that died: every waiting request gets an error at once, and the
-server reports itself unhealthy (503) instead of hanging.
+server reports itself unhealthy (503) instead of hanging. So does an engine whose steps keep
+failing (a sticky device error): its process lives, but it serves nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvrelay.config import EngineConfig
+from kvrelay.config import EngineConfig, env
 from kvrelay.disagg.protocol import PDParams
 from kvrelay.engine.messages import (
     AbortRequest,
@@ -63,10 +64,24 @@ class EngineClient:
         self.stats: EngineStats | None = None
         self.on_step = None  # callback(StepOutputs), set by the API for metrics
         self._tasks: list[asyncio.Task] = []
+        self.max_failed_steps = int(env("KVRELAY_HEALTH_MAX_FAILED_STEPS"))
 
     @property
     def healthy(self) -> bool:
+        """The engine process runs (requests can be sent to it)."""
         return self.ready is not None and self.dead_reason is None and self.proc.is_alive()
+
+    def unhealthy_reason(self) -> str | None:
+        """Why this server cannot serve (None: it can): not started, dead, or failing every step.
+        Cheap: the latest stats the engine sent, no round trip."""
+        if not self.healthy:
+            if self.ready is not None and self.dead_reason is None:  # the watchdog has not run yet
+                return f"engine process died (exit code {self.proc.exitcode})"
+            return self.dead_reason or "engine not ready"
+        failed = self.stats.failed_steps if self.stats is not None else 0
+        if self.max_failed_steps > 0 and failed >= self.max_failed_steps:
+            return f"engine steps failing: the last {failed} in a row failed"
+        return None
 
     async def start(self, timeout_s: float) -> EngineReady:
         self.proc.start()

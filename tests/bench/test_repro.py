@@ -14,7 +14,8 @@ import pytest
 from conftest import ServerProcess
 
 from kvrelay.bench.detectors import Reply, detect
-from kvrelay.bench.repro import Turn, add_repro_parser, judge_level, judge_turn
+from kvrelay.bench.repro import add_repro_parser
+from kvrelay.bench.repro_judge import Turn, judge_level, judge_turn
 from kvrelay.bench.repro_sessions import SCHEMAS, after_turn, calls_to_make, initial_messages
 from kvrelay.bench.verify import Output
 
@@ -66,6 +67,42 @@ def test_only_findings_the_reference_lacks_count():
     assert judge_turn(0, 0, turn(loop), turn(loop), 0.1).new_findings == []  # the model's habit
     v = judge_turn(0, 0, turn("|".join(f" w{i}" for i in range(24))), turn(loop), 0.1)
     assert [f.detector for f in v.new_findings] == ["ngram_loop"]
+
+
+WORDS24 = [f" w{i}" for i in range(24)]
+LOOP = [" I", " am", " sorry", "."] * 6
+
+
+def test_a_loop_after_a_near_tie_is_reported_not_counted():
+    # The reference hesitates at token 2 between " w2" and " X" (gap 0.05 nats); the test took
+    # " X" and its different continuation loops: the model's habit on other text.
+    tops = [{}, {}, {" w2": -0.5, " X": -0.55}] + [{}] * 21
+    ref = turn("|".join(WORDS24), tops)
+    test = turn("|".join([*WORDS24[:2], " X", *LOOP]))
+    v = judge_turn(0, 0, ref, test, 0.1)
+    assert v.near_tie and not v.corrupt and v.new_findings == []
+    assert [f.detector for f in v.after_near_tie] == ["ngram_loop"]
+    level, _ = judge_level(16, [[ref]], [[test]], 1.0, 0.1)
+    assert level["corrupted"] == 0 and level["near_tie_turns"] == 1
+    assert level["after_near_tie"]["ngram_loop"] == 1 and level["after_near_tie_turns"] == 1
+    assert level["detectors"]["ngram_loop"] == 0
+    # The same divergence where the reference was sure (gap 3 nats): damage, and the loop counts.
+    sure = turn("|".join(WORDS24), [{}, {}, {" w2": -0.1, " X": -3.1}] + [{}] * 21)
+    v = judge_turn(0, 0, sure, test, 0.1)
+    assert v.corrupt and not v.near_tie and [f.detector for f in v.new_findings] == ["ngram_loop"]
+
+
+def test_a_finding_in_the_matched_part_counts_even_before_a_near_tie():
+    # A loop in the tokens the test shares with the reference, which the reference's own reply was
+    # not found to have (its findings are what repro recorded for it): counted, near-tie or not.
+    tokens = [*LOOP, " a", " b"]
+    tops = [{}] * len(LOOP) + [{" a": -0.5, " c": -0.52}, {}]
+    ref = turn("|".join(tokens), tops)
+    ref.findings = []
+    test = turn("|".join([*LOOP, " c", " b"]))
+    v = judge_turn(0, 0, ref, test, 0.1)
+    assert v.near_tie and v.corrupt and [f.detector for f in v.new_findings] == ["ngram_loop"]
+    assert v.after_near_tie == []
 
 
 def test_level_counts_sessions_and_excludes_incomplete_ones():
@@ -144,6 +181,9 @@ def test_fault_flag_corruption_found_at_the_rate_p_predicts(fault_server, tmp_pa
     assert c1["concurrency"] == 1 and c1["corrupted"] == 0 and c1["compared"] == n
     assert c1["divergent_turns"] == 0
     assert c16["compared"] == n and c16["corrupted"] > 0 and c16["failed_requests"] == 0
+    # The baseline: the reference's own findings, and the note that it ran batched (at K).
+    assert result["reference"]["batched"] and "detectors" in result["reference"]
+    assert set(c16["after_near_tie"]) == set(c16["detectors"])
 
     # Only the concurrency-16 pass had batches above K; ignore_eos makes every turn max_tokens.
     f_lo, f_hi = faultable_fraction(url, head, c16["output_tokens"])
@@ -182,3 +222,11 @@ def test_no_false_positives_over_200_sessions(server, tmp_path):
     assert level["compared"] == 200 and level["corrupted"] == 0
     assert level["divergent_turns"] == 0 and level["near_tie_turns"] == 0
     assert level["ci95"][1] < 0.02
+
+
+def test_same_tokens_different_text_is_no_near_tie():
+    ref = turn("A|x", [{"A": -0.5, "B": -0.55}, {}])
+    test = turn("A|x")
+    test.output.text = "A x"  # the detokeniser disagreed: damage, not numerics
+    v = judge_turn(0, 0, ref, test, 0.1)
+    assert v.diverged and not v.near_tie and v.corrupt
