@@ -118,7 +118,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         example = (
             f"curl {url}/v1/chat/completions {auth}-H 'Content-Type: application/json' "
             f'-d \'{{"model": "{model}", "messages": [{{"role": "user", '
-            f'"content": "Hello!"}}], "max_tokens": 32}}\''
+            f'"content": "What is the capital of France?"}}], "max_tokens": 32}}\''
         )
         print(f"kvrelay up ready: {url} (model {model}) | try: {example}", flush=True)
 
