@@ -34,6 +34,7 @@ from kvrelay.disagg.handshake import PD_AUTH_HEADER, request_token
 from kvrelay.disagg.protocol import pd_status
 from kvrelay.server.errors import install_error_handlers
 from kvrelay.server.guard import HttpGuard
+from kvrelay.server.openapi_doc import document_bodies
 from kvrelay.server.schemas import ChatCompletionRequest, CompletionRequest
 from kvrelay.server.validation import parse_json, validate
 
@@ -380,7 +381,7 @@ def create_router_app(cfg: RouterConfig, on_ready=None) -> FastAPI:
         ok, status = await router.health()
         return JSONResponse({"healthy": ok, "servers": status}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return PlainTextResponse(generate_latest(router.registry).decode())
 
@@ -419,4 +420,12 @@ def create_router_app(cfg: RouterConfig, on_ready=None) -> FastAPI:
         body = await _body(request, CompletionRequest)
         return await router.route("/v1/completions", body, request)
 
+    document_bodies(
+        app,
+        {
+            ("POST", "/v1/chat/completions"): ChatCompletionRequest,
+            ("POST", "/v1/completions"): CompletionRequest,
+        },
+        frozenset({("POST", "/v1/chat/completions"), ("POST", "/v1/completions")}),
+    )
     return app

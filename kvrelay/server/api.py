@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from jinja2 import TemplateError
 from prometheus_client import generate_latest
+from pydantic import BaseModel, ConfigDict, Field
 
 from kvrelay import provenance
 from kvrelay.config import ServerConfig, env, env_snapshot, redacted
@@ -41,7 +42,8 @@ from kvrelay.server.generation_defaults import model_defaults
 from kvrelay.server.generation_defaults import resolve as resolve_sampling
 from kvrelay.server.guard import HttpGuard
 from kvrelay.server.metrics import Metrics
-from kvrelay.server.schemas import ChatCompletionRequest, CompletionRequest
+from kvrelay.server.openapi_doc import document_bodies
+from kvrelay.server.schemas import INT32_MAX, ChatCompletionRequest, CompletionRequest
 from kvrelay.server.sglang_api import GenerateRequest
 from kvrelay.server.telemetry import StepTelemetry
 from kvrelay.server.tokenizer import load_tokenizer
@@ -135,13 +137,13 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
 
     install_error_handlers(app, count_error)
 
-    @app.get("/health")
+    @app.get("/health", response_class=PlainTextResponse)
     async def health():
         if not state.client.healthy:
             raise unavailable(state.client.dead_reason or "engine not ready")
         return PlainTextResponse("ok")
 
-    @app.get("/health_generate")
+    @app.get("/health_generate", response_class=PlainTextResponse)
     async def health_generate():
         params = SamplingParams(max_tokens=1, temperature=0.0)
         gen = Generation(
@@ -200,12 +202,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
     async def set_step_profile(request: Request):
         """{"every": N}: profile every N-th engine step from now on (0: off). Returns the new
         and the previous setting (a benchmark restores what it found)."""
-        try:
-            every = (await request.json())["every"]
-        except (ValueError, KeyError, TypeError):
-            raise bad_request('the body must be {"every": N}') from None
-        if not isinstance(every, int) or isinstance(every, bool) or every < 0:
-            raise bad_request("every must be a non-negative integer")
+        every = (await _parse(request, StepProfileRequest)).every
         try:
             await state.client.set_step_profile(every)
         except EngineDead as e:
@@ -213,7 +210,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         previous, state.telemetry.profile_every = state.telemetry.profile_every, every
         return {"every": every, "previous": previous}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return PlainTextResponse(generate_latest(state.metrics.registry).decode())
 
@@ -553,7 +550,24 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             "choices": [choice],
         }
 
+    document_bodies(
+        app,
+        {
+            ("POST", "/v1/chat/completions"): ChatCompletionRequest,
+            ("POST", "/v1/completions"): CompletionRequest,
+            ("POST", "/generate"): GenerateRequest,
+            ("POST", "/telemetry/profile"): StepProfileRequest,
+        },
+        frozenset(
+            {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/generate")}
+        ),
+    )
     return app
+
+
+class StepProfileRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    every: int = Field(strict=True, ge=0, le=INT32_MAX, description="every N-th step; 0: off")
 
 
 def _finish_reason(reason: str | None, parser: ChatOutputParser | None) -> str | None:

@@ -99,7 +99,7 @@ def validate(schema: type[BaseModel], data: dict) -> BaseModel:
 
 
 def _schema_error(e: ValidationError, data: dict) -> APIError:
-    errors = [(_data_path(err["loc"], data), _message(err["msg"])) for err in e.errors()]
+    errors = [(_data_path(err["loc"], data), _message(err)) for err in e.errors()]
     # A union reports one error per member: the one deepest into the request says most (a
     # list of ints with one too large: that element), and those on the same field go together.
     param = max(errors, key=lambda pe: len(pe[0] or ""))[0]
@@ -111,8 +111,10 @@ def _schema_error(e: ValidationError, data: dict) -> APIError:
     return bad_request(f"{param}: {msg}" if param else msg, param)
 
 
-def _message(msg: str) -> str:
-    return msg.removeprefix("Value error, ")
+def _message(err: dict) -> str:
+    if err["type"] == "extra_forbidden":
+        return "this field is not supported"
+    return err["msg"].removeprefix("Value error, ")
 
 
 def _data_path(loc: tuple, data: object) -> str | None:
