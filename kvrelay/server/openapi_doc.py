@@ -29,6 +29,9 @@ ERROR_SCHEMA = {
     },
 }
 
+# One server-sent event: its data is a JSON chunk, an error object, or [DONE].
+SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}}}
+
 
 def document_bodies(
     app: FastAPI,
@@ -70,9 +73,7 @@ def document_bodies(
                 responses["default"] = error
                 if (method.upper(), path) in streams:
                     ok = responses.setdefault("200", {"description": "OK"})
-                    ok.setdefault("content", {})["text/event-stream"] = {
-                        "schema": {"type": "string"}
-                    }
+                    ok.setdefault("content", {})["text/event-stream"] = {"schema": SSE_EVENT}
         app.openapi_schema = doc
         return doc
 

@@ -57,7 +57,7 @@ class _Sampling(_Open):
     ignore_eos: bool = False
     user: str | None = None
     # vLLM's extras with the values that change nothing; any other value is refused.
-    repetition_penalty: float | None = Field(default=None, ge=1.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, description="only 1 is supported")
     logit_bias: dict[str, float] | None = Field(default=None, description="not supported")
 
     @field_validator("stop")
@@ -73,6 +73,13 @@ class _Sampling(_Open):
     def _no_logit_bias(cls, v):
         if v:
             raise ValueError("logit_bias is not supported")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _no_repetition_penalty(cls, v):
+        if v is not None and v != 1.0:
+            raise ValueError("repetition_penalty is not supported (only 1, which changes nothing)")
         return v
 
     @property
@@ -185,8 +192,22 @@ class CompletionRequest(_Sampling):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
-    best_of: int | None = Field(default=None, ge=1, le=1, description="only 1 is supported")
-    suffix: str | None = Field(default=None, max_length=0, description="not supported")
+    best_of: int | None = Field(default=None, description="only 1 is supported")
+    suffix: str | None = Field(default=None, description="not supported")
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v):
+        if v is not None and v != 1:
+            raise ValueError("best_of other than 1 is not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        if v:
+            raise ValueError("suffix (insertion) is not supported")
+        return v
 
     @field_validator("prompt")
     @classmethod
