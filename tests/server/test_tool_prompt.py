@@ -52,7 +52,7 @@ def test_the_prompt_carries_the_tool_signature_and_call_format(smollm2_tokenizer
 def test_the_format_taught_is_the_one_parsed():
     """The example call in the system prompt, with real values, parses as a tool call."""
     example = system_prompt(TOOLS).split("</tools>\n", 1)[1]
-    call = example[example.index("<tool_call>") :].replace("<function name>", "get_weather")
+    call = example[example.rindex("<tool_call>") :].replace("<function name>", "get_weather")
     call = call.replace('"<argument>": <value>', '"city": "Paris"')
     p = JsonToolCallStreamParser("c_")
     deltas = p.feed(call) + p.finish()
