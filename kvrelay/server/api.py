@@ -412,7 +412,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         if len(prompt_ids) >= limit:
             raise bad_request(
                 f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit}",
-                "messages",
+                "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
             )
         max_tokens = req.max_tokens if req.max_tokens is not None else limit - len(prompt_ids)
         if len(prompt_ids) + max_tokens > limit:
