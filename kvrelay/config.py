@@ -115,6 +115,10 @@ class ServerConfig:
     served_model_name: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413 (chunked ones too)
     max_n: int = 1
+    # Sampling defaults for what a request leaves out: "auto" (the model's generation_config.json,
+    # or the model card's for the embedded SmolLM2), "openai" (temperature 1, top_p 1), or a
+    # directory holding a generation_config.json.
+    generation_config: str = "auto"
     request_timeout_s: float = 600.0
     api_key: str = field(default="", repr=False)  # "": no key; else `Authorization: Bearer KEY`
     engine: EngineConfig = field(default_factory=EngineConfig)

@@ -7,7 +7,10 @@ becomes an OpenAI-format error naming its cause (an SSE error event once streami
 A failed attempt is retried on a fresh pair only while nothing has been streamed to the client.
 The PD fields of each request are signed with the PD secret (the `X-Kvrelay-PD-Auth` header over
 the exact body bytes): servers take them from no one else. With an API key, clients must send it
-(guard.py) and the router sends it to the servers.
+(guard.py) and the router sends it to the servers. Bodies are validated as the servers do
+(server/validation.py) before anything is routed, and every answer, 404 and 500 included, is an
+OpenAI error. Outcomes counted: ok, error, client_disconnected (the client left first), and
+http_<status> for what never reached routing.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import logging
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Request
@@ -28,7 +32,11 @@ from starlette.background import BackgroundTask
 from kvrelay.config import RouterConfig
 from kvrelay.disagg.handshake import PD_AUTH_HEADER, request_token
 from kvrelay.disagg.protocol import pd_status
+from kvrelay.server.errors import install_error_handlers
 from kvrelay.server.guard import HttpGuard
+from kvrelay.server.openapi_doc import document_bodies
+from kvrelay.server.schemas import ChatCompletionRequest, CompletionRequest
+from kvrelay.server.validation import parse_json, validate
 
 log = logging.getLogger("kvrelay.router")
 
@@ -118,7 +126,8 @@ class Router:
         info = self.info[url] = PeerInfo(d["role"], d["instance_id"], d.get("transfer_addr", ""))
         return info
 
-    async def route(self, path: str, body: dict) -> Response:
+    async def route(self, path: str, body: dict, request: Request | None = None) -> Response:
+        """Route one request; the outcome is counted here, or by the Relay once a stream ends."""
         if not self.cfg.pd_secret:
             self.requests.labels(outcome="error").inc()
             return RouteError(
@@ -134,7 +143,9 @@ class Router:
                 self.retries.inc()
             try:
                 resp = await self._attempt(path, body, stream)
-                self.requests.labels(outcome="ok").inc()
+                if not isinstance(resp, StreamingResponse):  # a stream's Relay counts its own
+                    gone = request is not None and await request.is_disconnected()
+                    self.requests.labels(outcome="client_disconnected" if gone else "ok").inc()
                 return resp
             except RouteError as e:
                 self.failures.labels(cause=e.cause).inc()
@@ -301,6 +312,7 @@ class Relay:
     def __init__(self, router: Router, first: str, lines, dresp: httpx.Response, rid: str) -> None:
         self.router, self.first, self.lines, self.dresp, self.rid = router, first, lines, dresp, rid
         self.ended = False  # decode's stream reached its end (or broke): the client saw it all
+        self.broken = False  # decode's stream broke (the client got an error event)
         self.closed = False
 
     async def events(self):
@@ -319,6 +331,8 @@ class Relay:
                     "code": "stream_broken",
                 }
                 yield f"data: {json.dumps({'error': err})}\n\n"
+                yield "data: [DONE]\n\n"
+                self.broken = True
             self.ended = True
         finally:
             await self.close()
@@ -330,6 +344,8 @@ class Relay:
         if not self.ended:
             self.router.disconnects.inc()
             log.info("client disconnected, aborting rid=%s", self.rid)
+        outcome = "error" if self.broken else "ok" if self.ended else "client_disconnected"
+        self.router.requests.labels(outcome=outcome).inc()
         await self.dresp.aclose()
 
 
@@ -346,12 +362,14 @@ def create_router_app(cfg: RouterConfig, on_ready=None) -> FastAPI:
 
     app = FastAPI(title="kvrelay router", lifespan=lifespan)
     app.state.router = router
+
+    def count(status: int) -> None:
+        router.requests.labels(outcome=f"http_{status}").inc()
+
     app.add_middleware(
-        HttpGuard,
-        api_key=cfg.api_key,
-        max_body_bytes=cfg.max_body_bytes,
-        on_reject=lambda status: router.requests.labels(outcome=f"http_{status}").inc(),
+        HttpGuard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes, on_reject=count
     )
+    install_error_handlers(app, count)
     if not cfg.pd_secret:
         log.warning(
             "no PD secret (--pd-secret, --pd-secret-file or KVRELAY_PD_SECRET): every request "
@@ -363,42 +381,51 @@ def create_router_app(cfg: RouterConfig, on_ready=None) -> FastAPI:
         ok, status = await router.health()
         return JSONResponse({"healthy": ok, "servers": status}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return PlainTextResponse(generate_latest(router.registry).decode())
 
-    @app.get("/v1/models")
-    async def models():
+    async def from_decode(path: str) -> Response:
+        """A read-only GET answered by the first decode server (they all serve one model)."""
         try:
-            r = await router.client.get(cfg.decode[0] + "/v1/models")
+            r = await router.client.get(cfg.decode[0] + path)
         except httpx.HTTPError as e:
             return RouteError(
                 503, f"decode server unreachable: {e}", "decode_unreachable"
             ).response()
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
-    async def _body(request: Request) -> dict | JSONResponse:
-        try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as e:
-            return RouteError(400, f"malformed JSON: {e}", "bad_request").response()
-        if not isinstance(body, dict):
-            return RouteError(
-                400, "the request body must be a JSON object", "bad_request"
-            ).response()
+    @app.get("/v1/models")
+    async def models():
+        return await from_decode("/v1/models")
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        return await from_decode(f"/v1/models/{quote(model_id, safe='')}")
+
+    async def _body(request: Request, schema) -> dict:
+        """The client's body, validated as the servers will (a 400 here costs no pair)."""
+        body = parse_json(await request.body())
         body.pop("kvrelay_pd", None)  # only the router sets it
+        validate(schema, body)
         return body
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = await _body(request)
-        return (
-            body if isinstance(body, Response) else await router.route("/v1/chat/completions", body)
-        )
+        body = await _body(request, ChatCompletionRequest)
+        return await router.route("/v1/chat/completions", body, request)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _body(request)
-        return body if isinstance(body, Response) else await router.route("/v1/completions", body)
+        body = await _body(request, CompletionRequest)
+        return await router.route("/v1/completions", body, request)
 
+    document_bodies(
+        app,
+        {
+            ("POST", "/v1/chat/completions"): ChatCompletionRequest,
+            ("POST", "/v1/completions"): CompletionRequest,
+        },
+        frozenset({("POST", "/v1/chat/completions"), ("POST", "/v1/completions")}),
+    )
     return app

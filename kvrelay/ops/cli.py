@@ -115,10 +115,12 @@ def cmd_up(a: argparse.Namespace) -> int:
 
     def ready(url: str, model: str) -> None:
         auth = '-H "Authorization: Bearer $KVRELAY_API_KEY" ' if cfg.api_key else ""
+        # Greedy: at the model card's temperature 0.2 the embedded 4-bit 135M model still answers
+        # this one with "L'Étoile, ..." about half the time (its first-token choice is a near-tie).
         example = (
             f"curl {url}/v1/chat/completions {auth}-H 'Content-Type: application/json' "
             f'-d \'{{"model": "{model}", "messages": [{{"role": "user", '
-            f'"content": "Hello!"}}], "max_tokens": 32}}\''
+            f'"content": "What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}\''
         )
         print(f"kvrelay up ready: {url} (model {model}) | try: {example}", flush=True)
 

@@ -16,8 +16,9 @@ from dataclasses import asdict
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
+from jinja2 import TemplateError
 from prometheus_client import generate_latest
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from kvrelay import provenance
 from kvrelay.config import ServerConfig, env, env_snapshot, redacted
@@ -25,16 +26,28 @@ from kvrelay.disagg.handshake import PD_AUTH_HEADER, request_token_ok
 from kvrelay.disagg.protocol import PDParams
 from kvrelay.engine.messages import SamplingParams
 from kvrelay.server import openai_format as fmt
+from kvrelay.server import sglang_api as sglang
 from kvrelay.server.chat_format import ChatFormat
 from kvrelay.server.chat_output import ChatOutputParser, delta_dict, message_dict
 from kvrelay.server.engine_client import EngineClient, EngineDead
-from kvrelay.server.errors import APIError, bad_request, unavailable
+from kvrelay.server.errors import (
+    APIError,
+    bad_request,
+    install_error_handlers,
+    internal,
+    unavailable,
+)
 from kvrelay.server.generation import Delta, Generation
+from kvrelay.server.generation_defaults import model_defaults
+from kvrelay.server.generation_defaults import resolve as resolve_sampling
 from kvrelay.server.guard import HttpGuard
 from kvrelay.server.metrics import Metrics
-from kvrelay.server.schemas import ChatCompletionRequest, CompletionRequest
+from kvrelay.server.openapi_doc import document_bodies
+from kvrelay.server.schemas import INT32_MAX, ChatCompletionRequest, CompletionRequest
+from kvrelay.server.sglang_api import GenerateRequest
 from kvrelay.server.telemetry import StepTelemetry
 from kvrelay.server.tokenizer import load_tokenizer
+from kvrelay.server.validation import parse_json, validate
 from kvrelay.weights.loader import resolve
 
 log = logging.getLogger("kvrelay.api")
@@ -51,6 +64,8 @@ class ServerState:
         self.telemetry.profile_every = cfg.engine.step_profile_every
         self.client.on_step = self._on_step
         self.tokenizer = None
+        self.chat_format: ChatFormat | None = None
+        self.sampling_defaults = model_defaults(cfg.generation_config, self.src)
         self._info: dict | None = None
 
     def _on_step(self, msg) -> None:
@@ -92,6 +107,9 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         tok_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, state.src))
         await state.client.start(float(env("KVRELAY_ENGINE_START_TIMEOUT_S")))
         state.tokenizer = await tok_task
+        state.chat_format = await asyncio.to_thread(
+            ChatFormat, state.src.config.architecture, state.tokenizer
+        )
         log.info("server ready model=%s max_model_len=%d", state.model_name, state.max_model_len)
         if on_ready is not None:
             on_ready(state)
@@ -114,19 +132,19 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             cfg.engine.role,
         )
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError):
-        state.metrics.errors.labels(status=str(e.status)).inc()
-        return e.response()
+    def count_error(status: int) -> None:
+        state.metrics.errors.labels(status=str(status)).inc()
 
-    @app.get("/health")
+    install_error_handlers(app, count_error)
+
+    @app.get("/health", response_class=PlainTextResponse)
     async def health():
         reason = state.client.unhealthy_reason()
         if reason is not None:
             raise unavailable(reason)
         return PlainTextResponse("ok")
 
-    @app.get("/health_generate")
+    @app.get("/health_generate", response_class=PlainTextResponse)
     async def health_generate():
         params = SamplingParams(max_tokens=1, temperature=0.0)
         gen = Generation(
@@ -185,12 +203,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
     async def set_step_profile(request: Request):
         """{"every": N}: profile every N-th engine step from now on (0: off). Returns the new
         and the previous setting (a benchmark restores what it found)."""
-        try:
-            every = (await request.json())["every"]
-        except (ValueError, KeyError, TypeError):
-            raise bad_request('the body must be {"every": N}') from None
-        if not isinstance(every, int) or isinstance(every, bool) or every < 0:
-            raise bad_request("every must be a non-negative integer")
+        every = (await _parse(request, StepProfileRequest)).every
         try:
             await state.client.set_step_profile(every)
         except EngineDead as e:
@@ -198,30 +211,45 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         previous, state.telemetry.profile_every = state.telemetry.profile_every, every
         return {"every": every, "previous": previous}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return PlainTextResponse(generate_latest(state.metrics.registry).decode())
 
-    @app.get("/v1/models")
-    async def models():
-        card = {
+    def model_card() -> dict:
+        return {
             "id": state.model_name,
             "object": "model",
             "created": 0,
             "owned_by": "kvrelay",
+            "root": cfg.engine.model,  # what the weights were loaded from, as the operator said
+            "parent": None,  # a base model, not a fine-tune (LoRA) of another served one
             "max_model_len": state.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != state.model_name:
+            raise APIError(
+                404,
+                f"model {model_id!r} does not exist; this server serves {state.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return model_card()
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await _parse(request, ChatCompletionRequest)
         _check_common(req)
-        chat_format = ChatFormat(state.src.config.architecture, state.tokenizer)
+        chat_format = state.chat_format
         try:  # off the event loop: a long prompt must not stall other requests' streams
             prompt_ids = await asyncio.to_thread(chat_format.prompt_ids, req)
-        except ValueError as e:
-            raise bad_request(str(e), "messages") from None
+        except (ValueError, TypeError, TemplateError) as e:  # what the messages made it raise
+            raise bad_request(f"the messages cannot be rendered: {e}", "messages") from None
         gen = _start(req, prompt_ids)
         rid, created = gen.rid, int(gen.created)
         parser = chat_format.output_parser(req, f"call_{uuid.uuid4().hex[:16]}_")
@@ -306,22 +334,33 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             "usage": fmt.usage(len(prompt_ids), gen.completion_tokens),
         }
 
+    @app.post("/generate")
+    async def generate(request: Request):
+        """SGLang's native generate (sglang_api.py)."""
+        req = await _parse(request, GenerateRequest)
+        view = sglang.SamplingView.of(req)
+        _check_ready(view)
+        if req.input_ids is not None:
+            prompt_ids = list(req.input_ids)
+        else:
+            prompt_ids = await asyncio.to_thread(state.tokenizer.encode, req.text)
+            if not prompt_ids:
+                raise bad_request("text is empty", "text")
+        gen = _start(view, prompt_ids, "generate")
+        rid = req.rid or gen.rid
+        if req.stream:
+            return StreamingResponse(
+                sglang.events(gen, rid, stream_error), media_type="text/event-stream"
+            )
+        start = gen.created
+        return sglang.answer(gen, await _collect(request, gen), rid, start)
+
     async def _parse(request: Request, schema):
         body = await request.body()  # the guard has held it to cfg.max_body_bytes
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise bad_request(f"malformed JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise bad_request("the request body must be a JSON object")
+        data = parse_json(body)
         if "kvrelay_pd" in data:  # before anything acts on it (a prefill would connect)
             _check_pd_auth(request, body)
-        try:
-            return schema.model_validate(data)
-        except ValidationError as e:
-            err = e.errors()[0]
-            param = ".".join(str(x) for x in err["loc"]) or None
-            raise bad_request(f"{param}: {err['msg']}" if param else err["msg"], param) from None
+        return validate(schema, data)
 
     def _check_pd_auth(request: Request, body: bytes) -> None:
         if not pd_secret:
@@ -347,8 +386,6 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             )
 
     def _check_common(req) -> None:
-        if not state.client.healthy:
-            raise unavailable(state.client.dead_reason or "engine not ready")
         if req.model != state.model_name:
             raise APIError(
                 404,
@@ -358,13 +395,25 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             )
         if req.n > cfg.max_n:
             raise bad_request(f"n={req.n} is not supported (at most {cfg.max_n})", "n")
+        _check_ready(req)
 
-    def _start(req, prompt_ids: list[int]) -> Generation:
+    def _check_ready(req) -> None:
+        if not state.client.healthy:
+            raise unavailable(state.client.dead_reason or "engine not ready")
+        vocab = state.src.config.vocab_size
+        for i, t in enumerate(req.stop_token_ids or ()):
+            if t >= vocab:
+                raise bad_request(
+                    f"stop_token_ids[{i}]: {t} is outside the vocabulary (size {vocab})",
+                    f"stop_token_ids[{i}]",
+                )
+
+    def _start(req, prompt_ids: list[int], prefix: str | None = None) -> Generation:
         limit = state.max_model_len
         if len(prompt_ids) >= limit:
             raise bad_request(
                 f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit}",
-                "messages",
+                "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
             )
         max_tokens = req.max_tokens if req.max_tokens is not None else limit - len(prompt_ids)
         if len(prompt_ids) + max_tokens > limit:
@@ -374,10 +423,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             )
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=max(req.top_k, 0),
-            min_p=req.min_p,
+            **resolve_sampling(req, state.sampling_defaults),
             seed=req.seed,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
@@ -385,9 +431,8 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             ignore_eos=req.ignore_eos,
             logprobs=req.num_logprobs,
         )
-        rid = (
-            f"{'chatcmpl' if isinstance(req, ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"
-        )
+        prefix = prefix or ("chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl")
+        rid = f"{prefix}-{uuid.uuid4().hex}"
         pd, pd_rid = _pd_params(req)
         if pd is not None:
             rid = pd_rid or rid
@@ -422,6 +467,18 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         except EngineDead as e:
             raise unavailable(str(e)) from None
 
+    def stream_error(e: Exception, rid: str) -> str:
+        """An exception in a stream that has begun: counted, logged, and sent as an SSE error
+        event (the caller then ends the stream with [DONE], as OpenAI's clients expect)."""
+        if isinstance(e, EngineDead):
+            e = unavailable(str(e))
+        elif not isinstance(e, APIError):
+            log.exception("stream failed rid=%s", rid)
+            e = internal(e)
+        count_error(e.status)
+        log.warning("stream error rid=%s status=%d message=%s", rid, e.status, e.message)
+        return e.sse()
+
     def _stream(request, gen, make_chunk, rid, created, obj, req):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -433,10 +490,9 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
                     if chunk is not None:  # None: nothing to say yet (a parser holds text)
                         yield f"data: {json.dumps(chunk)}\n\n"
                     first = False
-            except (APIError, EngineDead) as e:
-                msg = e.message if isinstance(e, APIError) else str(e)
-                err = {"message": msg, "type": "server_error", "code": getattr(e, "code", None)}
-                yield f"data: {json.dumps({'error': err})}\n\n"
+            except Exception as e:
+                yield stream_error(e, rid)
+                yield "data: [DONE]\n\n"
                 return
             if include_usage:
                 body = {
@@ -495,7 +551,24 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             "choices": [choice],
         }
 
+    document_bodies(
+        app,
+        {
+            ("POST", "/v1/chat/completions"): ChatCompletionRequest,
+            ("POST", "/v1/completions"): CompletionRequest,
+            ("POST", "/generate"): GenerateRequest,
+            ("POST", "/telemetry/profile"): StepProfileRequest,
+        },
+        frozenset(
+            {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/generate")}
+        ),
+    )
     return app
+
+
+class StepProfileRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    every: int = Field(strict=True, ge=0, le=INT32_MAX, description="every N-th step; 0: off")
 
 
 def _finish_reason(reason: str | None, parser: ChatOutputParser | None) -> str | None:

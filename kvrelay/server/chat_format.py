@@ -8,6 +8,7 @@ reasoning in thinking mode. Every other model: its HF chat template and JSON-sty
 from __future__ import annotations
 
 import json
+import logging
 
 from kvrelay.server.chat_output import ChatOutputParser
 from kvrelay.server.schemas import ChatCompletionRequest
@@ -15,6 +16,14 @@ from kvrelay.server.tokenizer import apply_chat_template
 from kvrelay.server.tools.dsml import DsmlStreamParser
 from kvrelay.server.tools.dsv4_chat import encode_messages
 from kvrelay.server.tools.json_calls import JsonToolCallStreamParser
+from kvrelay.server.tools.tool_prompt import (
+    inject_tools,
+    inline_tool_calls,
+    renders_tool_calls,
+    renders_tools,
+)
+
+log = logging.getLogger("kvrelay.api")
 
 DSV4_ARCHITECTURE = "DeepseekV4ForCausalLM"
 
@@ -43,16 +52,36 @@ class ChatFormat:
     def __init__(self, architecture: str, tokenizer) -> None:
         self.dsv4 = architecture == DSV4_ARCHITECTURE
         self.tokenizer = tokenizer
+        # Probed once: does the HF template show the model its tools and earlier calls?
+        self.inject_tools = not self.dsv4 and not renders_tools(tokenizer)
+        self.inline_calls = not self.dsv4 and not renders_tool_calls(tokenizer)
+        self._logged = False
+
+    def messages(self, req: ChatCompletionRequest) -> list[dict]:
+        """The HF template's input: the messages, with the tools in the system prompt where
+        the template would drop them."""
+        messages = [_hf_message(m) for m in req.messages]
+        if self.inline_calls:
+            messages = inline_tool_calls(messages)
+        tools = req.tool_dicts if req.tool_choice != "none" else None
+        if self.inject_tools and tools:
+            if not self._logged:
+                self._logged = True
+                log.warning(
+                    "the chat template does not render tools: kvrelay puts the tool signatures "
+                    "and the <tool_call> format into the system prompt (logged once)"
+                )
+            messages = inject_tools(messages, tools)
+        return messages
 
     def prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
         """Raises ValueError (the API's 400) when the messages cannot be encoded."""
         if not self.dsv4:
-            return apply_chat_template(
-                self.tokenizer, [_hf_message(m) for m in req.messages], req.tools
-            )
+            tools = None if self.inject_tools else req.tool_dicts
+            return apply_chat_template(self.tokenizer, self.messages(req), tools)
         thinking, effort = dsv4_thinking(req)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        text = encode_messages(messages, req.tools, thinking=thinking, reasoning_effort=effort)
+        text = encode_messages(messages, req.tool_dicts, thinking=thinking, reasoning_effort=effort)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def output_parser(self, req: ChatCompletionRequest, id_prefix: str) -> ChatOutputParser | None:
@@ -69,7 +98,7 @@ class ChatFormat:
 def _hf_message(m) -> dict:
     d = {"role": m.role, "content": m.text() or ""}
     if m.tool_calls:
-        d["tool_calls"] = [_hf_tool_call(tc) for tc in m.tool_calls]
+        d["tool_calls"] = [_hf_tool_call(tc.model_dump(exclude_none=True)) for tc in m.tool_calls]
     if m.tool_call_id:
         d["tool_call_id"] = m.tool_call_id
     if m.name:

@@ -39,6 +39,7 @@ class Generation:
     finished: bool = False
     created: float = field(default_factory=time.time)
     pd: PDParams | None = None  # PD mode: this side's part of a disaggregated request
+    matched_stop: str | None = None  # the stop string that ended the output, if one did
 
     async def deltas(self) -> AsyncIterator[Delta]:
         q = await self.client.submit(self.rid, self.prompt_ids, self.params, self.pd)
@@ -77,8 +78,9 @@ class Generation:
                     new += detok.flush()
                 pending += new
                 reason = out.finish_reason
-                cut = _find_stop(pending, self.stops)
-                if cut is not None:
+                hit = _find_stop(pending, self.stops)
+                if hit is not None:
+                    cut, self.matched_stop = hit
                     pending, reason = pending[:cut], "stop"
                 done = reason is not None
                 release = pending if done else pending[: max(len(pending) - hold, 0)]
@@ -108,6 +110,7 @@ class Generation:
             m.tpot.observe((end - first_at) / (self.completion_tokens - 1))
 
 
-def _find_stop(text: str, stops: list[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+def _find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """(where, which) of the earliest stop string in `text`."""
+    hits = [(i, s) for i, s in ((text.find(s), s) for s in stops) if i >= 0]
     return min(hits) if hits else None

@@ -1,42 +1,64 @@
-"""OpenAI request bodies, validated: anything out of range is a 400 with the field named."""
+"""OpenAI request bodies, validated: anything out of range is a 400 with the field named.
+
+Integers are bounded (nothing a client sends may overflow the engine's int64 messages), floats
+are finite, and every shape the code reads is declared, so a wrong shape is a 400, never a crash
+further in. The sampling fields default to None: "not given", so that the model's own generation
+defaults apply (generation_defaults.py)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+INT32_MAX = 2**31 - 1
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Positive = Annotated[int, Field(ge=1, le=INT32_MAX)]
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+class StreamOptions(_Open):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are accepted and ignored
+class _Sampling(_Open):
+    """Unknown fields are accepted and ignored; known ones that would change the answer in a way
+    kvrelay does not implement are refused (logit_bias, repetition_penalty != 1)."""
 
     model: str
-    max_tokens: int | None = Field(default=None)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
-    seed: int | None = None
+    max_tokens: Positive | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX, description="-1 or 0: off")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    n: Positive = 1
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=256)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _positive(cls, v: int | None) -> int | None:
-        if v is not None and v <= 0:
-            raise ValueError("must be at least 1")
-        return v
+    # vLLM's extras with the values that change nothing; any other value is refused.
+    repetition_penalty: float | None = Field(default=None, description="only 1 is supported")
+    logit_bias: dict[str, float] | None = Field(default=None, description="not supported")
 
     @field_validator("stop")
     @classmethod
@@ -46,59 +68,120 @@ class _Sampling(BaseModel):
             raise ValueError("at most 16 non-empty stop strings")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v):
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _no_repetition_penalty(cls, v):
+        if v is not None and v != 1.0:
+            raise ValueError("repetition_penalty is not supported (only 1, which changes nothing)")
+        return v
+
     @property
     def stop_strings(self) -> list[str]:
         return list(self.stop or [])
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ContentPart(_Open):
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(_Open):
+    name: str
+    arguments: str | dict[str, Any] = ""
+
+
+class ToolCallIn(_Open):
+    """A tool call in an assistant message of the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
 
     def text(self) -> str | None:
         if isinstance(self.content, list):
-            parts = [p.get("text", "") for p in self.content if p.get("type") == "text"]
+            parts = [p.text for p in self.content if p.type == "text" and p.text is not None]
             if len(parts) != len(self.content):
                 raise ValueError("only text content parts are supported")
             return "".join(parts)
         return self.content
 
 
+class FunctionDef(_Open):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Open):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Positive | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # Thinking switch as vLLM/SGLang read it for DeepSeek: {"thinking": true} (or enable_thinking).
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v, info: ValidationInfo):
+        if v and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs=true")
+        return v
+
     @field_validator("tool_choice")
     @classmethod
-    def _tool_choice(cls, v):
-        if isinstance(v, str) and v not in ("none", "auto", "required"):
-            raise ValueError('must be "none", "auto", "required" or a named function')
-        if isinstance(v, dict) and not isinstance((v.get("function") or {}).get("name"), str):
-            raise ValueError('a named tool_choice is {"type": "function", "function": {"name": …}}')
+    def _choice_in_tools(cls, v, info: ValidationInfo):
+        tools = info.data.get("tools")  # absent when tools itself failed validation
+        if v not in (None, "none", "auto") and not tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(v, NamedToolChoice) and v.function.name not in {
+            t.function.name for t in tools
+        }:
+            raise ValueError(f"tool_choice names {v.function.name!r}, which is not among the tools")
         return v
 
     @model_validator(mode="after")
     def _merge(self):
-        if self.tool_choice not in (None, "none", "auto") and not self.tools:
-            raise ValueError("tool_choice needs tools")
         if self.max_completion_tokens is not None:
-            if self.max_completion_tokens <= 0:
-                raise ValueError("max_completion_tokens must be at least 1")
             self.max_tokens = self.max_completion_tokens
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true")
         return self
+
+    @property
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as plain JSON objects (what chat templates and encoders read)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     @property
     def num_logprobs(self) -> int | None:
@@ -106,9 +189,25 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    best_of: int | None = Field(default=None, description="only 1 is supported")
+    suffix: str | None = Field(default=None, description="not supported")
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v):
+        if v is not None and v != 1:
+            raise ValueError("best_of other than 1 is not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        if v:
+            raise ValueError("suffix (insertion) is not supported")
+        return v
 
     @field_validator("prompt")
     @classmethod

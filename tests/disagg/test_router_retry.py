@@ -152,3 +152,28 @@ def test_the_routers_api_key_goes_to_every_server_call():
     status, _ = asyncio.run(_route(_router(servers, api_key="sk-stack")))
     assert status == 200 and servers.auth == {"Bearer sk-stack"}
     assert {path for _, path in servers.calls} == {"/pd/info", "/v1/completions"}
+
+
+def test_outcomes_ok_error_and_client_disconnected_are_told_apart():
+    r = _router(Servers())
+    status, text = asyncio.run(_route(r))
+    assert status == 200 and text.endswith("data: [DONE]\n\n")
+    assert _metric(r, "kvrelay_router_requests_total", {"outcome": "ok"}) == 1
+
+    async def leave_after_first_event(router: Router) -> None:
+        resp = await router.route("/v1/completions", dict(BODY))
+        events = resp.body_iterator
+        assert '"a"' in await anext(events)
+        await events.aclose()  # the client went away mid-stream
+        await resp.background()
+
+    asyncio.run(leave_after_first_event(r))
+    assert _metric(r, "kvrelay_router_requests_total", {"outcome": "client_disconnected"}) == 1
+    assert _metric(r, "kvrelay_router_client_disconnects_total") == 1
+    assert _metric(r, "kvrelay_router_requests_total", {"outcome": "ok"}) == 1  # not counted ok
+
+    broken = _router(Servers(decode_breaks=True))
+    status, text = asyncio.run(_route(broken))
+    assert '"stream_broken"' in text and text.endswith("data: [DONE]\n\n")  # error event, [DONE]
+    assert _metric(broken, "kvrelay_router_requests_total", {"outcome": "error"}) == 1
+    assert _metric(broken, "kvrelay_router_requests_total", {"outcome": "ok"}) == 0
