@@ -83,5 +83,6 @@ class BlockPool:
                 )
         if problems:
             raise AssertionError(
-                f"{self.what} accounting broken (leaked or double-owned): " + "; ".join(problems[:4])
+                f"{self.what} accounting broken (leaked or double-owned): "
+                + "; ".join(problems[:4])
             )

@@ -490,4 +490,3 @@ class DecodeReceiver(TransferAgent):
 
 def _mismatch(h: P.ChunkHeader) -> str:
     return f"checksum mismatch on {h.kinds[0]}.. tokens [{h.token_start}, {h.token_end})"
-

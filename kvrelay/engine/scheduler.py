@@ -137,7 +137,9 @@ class Scheduler:
         # Waiting requests (preempted ones) need a slot when admitted again.
         slots = self.slot_pool
         if slots is not None and slots.num_free <= len(self.waiting):
-            raise OutOfPages(f"decode has no free state slot ({slots.num_usable} in use or promised)")
+            raise OutOfPages(
+                f"decode has no free state slot ({slots.num_usable} in use or promised)"
+            )
         req.pages = self.page_pool.alloc(self._pages_for(len(req.prompt_ids)))
         if slots is not None:
             req.state_slot = slots.alloc(1)[0]

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvrelay.cache.block_pool import OutOfPages
 from kvrelay.config import SchedulerConfig
 from kvrelay.engine.messages import SamplingParams
 from kvrelay.engine.request import Request, Status
@@ -368,3 +369,112 @@ def test_check_integrity_catches_a_leaked_or_double_owned_page() -> None:
     s.running[1].pages.append(victim.pages[0])  # owned twice
     with pytest.raises(AssertionError):
         s.page_pool.check_integrity(_held(s))
+
+
+# -- bounded reservation -----------------------------------------------------------------------
+
+
+def test_default_reservation_is_bounded_for_a_request_without_max_tokens() -> None:
+    # A request without max_tokens gets the rest of the context (here 100k tokens); admission
+    # holds room for its prompt and kv_reserve_max_tokens output tokens only.
+    cfg = SchedulerConfig()
+    s = Scheduler(cfg, num_pages=1000, page_size=16)
+    a, b = _req("a", 40, max_tokens=100_000), _req("b", 40, max_tokens=100_000)
+    s.add(a)
+    s.add(b)
+    batch, _ = s.schedule()
+    assert [x.req for x in batch] == [a, b]
+    assert s._future_pages(a) == _cdiv(40 + cfg.kv_reserve_max_tokens, 16) - len(a.pages)
+    assert cfg.kv_reserve_max_tokens == 256
+
+
+# -- KV for transfers (PD decode) ----------------------------------------------------------------
+
+
+def test_reserved_transfer_holds_its_prompt_pages_and_counts_against_admission() -> None:
+    s = _sched(num_pages=11, page_size=4, budget=64, ratio=1.0)  # 10 usable pages
+    r = _req("r", 4, max_tokens=4)  # running: 1 page now, 1 more later
+    s.add(r)
+    _step(s)
+    t = _req("t", 8, max_tokens=8)  # 2 pages now, 2 more later
+    s.reserve_transfer(t)
+    assert t.status == Status.RESERVED and len(t.pages) == 2 and s.page_pool.num_free == 7
+    assert s.find("t") is None  # not scheduled until its KV arrives
+    s.check_integrity()
+    # 7 free - 3 promised to r and t < the 5 pages w may need: it waits (without counting t's
+    # future it would be admitted, and t could run dry once its KV arrives).
+    w = _req("w", 8, max_tokens=12)
+    s.add(w)
+    batch, _ = _step(s)
+    assert [x.req for x in batch] == [r] and list(s.waiting) == [w]
+    # A transfer that would take more than is uncommitted is refused, saying so, taking nothing.
+    free = s.page_pool.num_free
+    with pytest.raises(OutOfPages, match="KV cache full"):
+        s.reserve_transfer(_req("v", 8, max_tokens=16))
+    assert s.page_pool.num_free == free
+    s.check_integrity()
+
+
+def test_admitted_transfer_decodes_from_its_installed_prompt() -> None:
+    s = _sched(num_pages=11, page_size=4, budget=64)
+    t = _req("t", 8, max_tokens=4)
+    s.reserve_transfer(t)
+    pages = list(t.pages)
+    t.output_ids.append(9)  # the first token, sampled by prefill
+    s.admit_transferred(t)
+    batch, _ = s.schedule()
+    # Only the first token is computed here: the prompt's KV arrived in the reserved pages.
+    assert [(x.req, x.num_new_tokens) for x in batch] == [(t, 1)] and batch[0].samples
+    assert t.pages[:2] == pages and t.status == Status.RUNNING
+    s.finish(t, "stop")
+    assert s.page_pool.num_free == s.page_pool.num_usable
+    s.check_integrity()
+
+
+def test_transfer_with_a_state_slot_runs_at_once_keeping_its_slot() -> None:
+    cfg = SchedulerConfig(max_num_batched_tokens=64)
+    s = Scheduler(cfg, num_pages=41, page_size=4, num_state_slots=3)
+    t = _req("t", 8)
+    s.reserve_transfer(t)
+    slot = t.state_slot
+    assert slot and s.slot_pool.num_free == 1
+    t.output_ids.append(9)
+    s.admit_transferred(t)
+    assert s.running == [t] and t.state_slot == slot  # no second slot: the state is installed
+    batch, _ = s.schedule()
+    assert [x.req for x in batch] == [t] and s.slot_pool.num_free == 1
+    # Preempted requests waiting for a slot keep it promised: no transfer may take the last one.
+    s.waiting.append(_req("preempted", 4))
+    with pytest.raises(OutOfPages, match="state slot"):
+        s.reserve_transfer(_req("u", 4))
+    s.waiting.clear()
+    s.finish(t, "stop")
+    assert s.slot_pool.num_free == 2
+    s.check_integrity()
+
+
+def test_failed_reservation_finishes_and_returns_its_pages() -> None:
+    s = _sched(num_pages=11, page_size=4)
+    t = _req("t", 8)
+    s.reserve_transfer(t)
+    s.finish(t, "error")
+    assert t.status == Status.FINISHED and not s.reserved and s.page_pool.num_free == 10
+    s.check_integrity()
+
+
+def test_fenced_pages_stay_out_of_the_pool_until_lifted() -> None:
+    s = _sched(num_pages=5, page_size=4, ratio=0.0)  # 4 usable pages
+    t = _req("t", 8)
+    s.reserve_transfer(t)
+    fenced = list(t.pages)
+    fence = s.finish_fenced(t, "error")
+    assert t.status == Status.FINISHED and t.pages == [] and fence.pages == fenced
+    assert s.page_pool.num_free == 2
+    s.check_integrity()  # the fence is an owner
+    a = _req("a", 8)
+    s.add(a)
+    _step(s)
+    assert not set(a.pages) & set(fenced)  # the next request gets other pages
+    s.lift(fence)
+    assert not s.fences and s.page_pool.num_free == 2
+    s.check_integrity()
