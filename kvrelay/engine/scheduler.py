@@ -73,6 +73,8 @@ class Scheduler:
         self.waiting.append(req)
 
     def find(self, rid: str) -> Request | None:
+        """A running or waiting request (a reserved transfer is the PD receiver's to end: it
+        knows whether its pages must be fenced)."""
         for r in self.running:
             if r.rid == rid:
                 return r

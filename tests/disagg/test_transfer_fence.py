@@ -14,9 +14,11 @@ from __future__ import annotations
 import time
 
 import pytest
-from engine_pair import PARAMS, pairs
+from engine_pair import PARAMS, PD_SECRET, pairs
 from engine_pair import dense_engine as _engine
+from fake_peer import FakePeer, authenticate_as_prefill
 
+from kvrelay.disagg import protocol as P
 from kvrelay.disagg.protocol import Cause, PDParams, TState
 from kvrelay.engine.engine import Engine, generate
 from kvrelay.engine.messages import AddRequest
@@ -113,3 +115,39 @@ def test_late_write_of_an_aborted_transfer_leaves_the_next_owner_alone(in_place:
     for e in every.values():
         assert e.scheduler.page_pool.num_used == 0
         e.check_idle_integrity()
+
+
+def test_a_prefill_that_never_releases_is_hung_up_on_before_its_pages_go_back() -> None:
+    """A peer that does not answer decode's Failure with Released (a raw socket here) keeps the
+    pages fenced; after bootstrap_timeout_s decode closes its connection, and only then are the
+    pages free (nothing can arrive on a closed connection)."""
+    d = _engine("decode", bootstrap_timeout_s=0.5)
+    peer = FakePeer.connect(d.agent.addr)
+    try:
+        authenticate_as_prefill(peer, d, PD_SECRET)
+        d.add(AddRequest("f", X_IDS, PARAMS, PDParams("decode", "t-f")))
+        peer.send(P.ReserveRequest("t-f", "f", len(X_IDS), P.prompt_hash(X_IDS)))
+        t, deadline = d.agent.transfers["t-f"], time.time() + 5
+        while t.sm.state != TState.RECEIVING:  # decode matches it on its engine thread (here)
+            assert time.time() < deadline, "decode never matched the reservation"
+            d.poll_transfers()
+            time.sleep(0.001)
+        ack = peer.recv()
+        assert isinstance(ack, P.ReserveAck) and ack.ok and ack.pages
+        d.abort("f")
+        failure = peer.recv()
+        assert isinstance(failure, P.Failure) and failure.cause == Cause.ABORTED
+        d.poll_transfers()
+        assert d.agent.state_counts()["fenced"] == 1
+        assert d.scheduler.page_pool.num_used == len(ack.pages)  # held while it may write
+        deadline = time.time() + 5
+        while d.agent.fences:
+            assert time.time() < deadline, "the fence never timed out"
+            d.poll_transfers()
+            time.sleep(0.01)
+        assert d.scheduler.page_pool.num_used == 0
+        d.check_idle_integrity()
+        assert peer.hung_up()
+    finally:
+        peer.close()
+        d.agent.close()
