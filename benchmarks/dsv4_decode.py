@@ -89,29 +89,28 @@ def make_engine(a: argparse.Namespace, backend: str) -> Engine:
 def fake_requests(engine: Engine, batch: int, ctx: int) -> tuple[list[Request], bool]:
     """`batch` requests with `ctx` cached tokens each: pages (shared when the pool is short),
     a state slot each, random token ids."""
-    r = engine.runner
+    r, pages, slots = engine.runner, engine.scheduler.page_pool, engine.scheduler.slot_pool
     n_pages = -(-(ctx + 1) // r.page_size)
-    shared = n_pages * batch > r.allocator.num_free
-    common = r.allocator.alloc(n_pages) if shared else None
+    shared = n_pages * batch > pages.num_free
+    common = pages.alloc(n_pages) if shared else None
     reqs = []
     for b in range(batch):
         ids = torch.randint(0, r.model_cfg.vocab_size, (ctx + 1,)).tolist()
         req = Request(f"bench-{b}", ids, SamplingParams(max_tokens=1), 0)
-        req.pages = list(common) if shared else r.allocator.alloc(n_pages)
-        req.state_slot = r.state_slots.alloc(1)[0]
+        req.pages = pages.share(common) if shared else pages.alloc(n_pages)
+        req.state_slot = slots.alloc(1)[0]
         req.num_computed = ctx
         reqs.append(req)
+    if shared:
+        pages.free(common)  # the requests hold their own references
     return reqs, shared
 
 
 def release(engine: Engine, reqs: list[Request], shared: bool) -> None:
-    r = engine.runner
-    if shared:
-        r.allocator.free(reqs[0].pages)
+    pages, slots = engine.scheduler.page_pool, engine.scheduler.slot_pool
     for q in reqs:
-        if not shared:
-            r.allocator.free(q.pages)
-        r.state_slots.free([q.state_slot])
+        pages.free(q.pages)  # shared pages go back with the last reference
+        slots.free([q.state_slot])
 
 
 def randomize_pools(engine: Engine) -> None:
@@ -141,16 +140,17 @@ def time_prefill(engine: Engine, n: int, device: str) -> float:
     r = engine.runner
     ids = torch.randint(0, r.model_cfg.vocab_size, (n,)).tolist()
     req = Request("prefill", ids, SamplingParams(max_tokens=1), 0)
-    req.pages = r.allocator.alloc(-(-n // r.page_size))
-    req.state_slot = r.state_slots.alloc(1)[0]
+    pages, slots = engine.scheduler.page_pool, engine.scheduler.slot_pool
+    req.pages = pages.alloc(-(-n // r.page_size))
+    req.state_slot = slots.alloc(1)[0]
     r.forward([ScheduledRequest(req, n)])  # warm-up
     sync(device)
     t = time.perf_counter()
     r.forward([ScheduledRequest(req, n)])
     sync(device)
     dt = time.perf_counter() - t
-    r.allocator.free(req.pages)
-    r.state_slots.free([req.state_slot])
+    pages.free(req.pages)
+    slots.free([req.state_slot])
     return n / dt
 
 

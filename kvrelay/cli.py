@@ -102,6 +102,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="fraction of max_tokens reserved in KV at admission (below 1: preemption may occur)",
     )
     g.add_argument(
+        "--kv-reserve-max-tokens",
+        type=int,
+        default=s.kv_reserve_max_tokens,
+        help="output tokens reserved in KV at admission at most; beyond, KV grows on demand",
+    )
+    g.add_argument(
         "--test-fault-swap-token",
         default=None,
         metavar="P,K",
@@ -279,6 +285,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
             max_num_batched_tokens=a.max_num_batched_tokens,
             max_running_requests=a.max_running_requests,
             kv_reserve_ratio=a.kv_reserve_ratio,
+            kv_reserve_max_tokens=a.kv_reserve_max_tokens,
         ),
         fault_swap_token_p=p,
         fault_swap_token_min_batch=k,

@@ -56,6 +56,9 @@ class SchedulerConfig:
     # Admission reserves KV for this fraction of each request's remaining max_tokens,
     # so that running requests cannot run out; below 1.0, preemption covers the rest.
     kv_reserve_ratio: float = 1.0
+    # ... but for at most this many output tokens: a request without max_tokens (the whole
+    # context) must not hold the pool. Beyond it KV grows on demand (preemption if it runs dry).
+    kv_reserve_max_tokens: int = 256
 
 
 @dataclass(frozen=True)

@@ -1,1 +1,1 @@
-"""Paged KV cache: the page allocator and the KV pools."""
+"""Paged caches: the refcounted block pool, page arithmetic, and the cache tensors (pools)."""

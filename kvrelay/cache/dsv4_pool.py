@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrelay.cache.page_allocator import row_index
+from kvrelay.cache.paging import row_index
 from kvrelay.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
 from kvrelay.models.deepseek_v4.precision import wide_dtype
 from kvrelay.models.deepseek_v4.state import CompressorState, LayerState

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrelay.cache.page_allocator import row_index
+from kvrelay.cache.paging import row_index
 
 PAGE, SLOT = "page", "slot"
 

@@ -21,7 +21,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 2: pieces name their cache kinds; 3: authenticated handshake, typed IPC
+# 2: pieces name their cache kinds; 3: authenticated handshake, typed IPC; 4: Released (the fence)
+PROTOCOL_VERSION = 4
 
 # Field limits: a received message that breaks one is refused whole (msgspec.ValidationError).
 Id = Annotated[str, msgspec.Meta(max_length=256)]  # ids, names, addresses, fingerprints
@@ -158,6 +159,14 @@ class Failure(msgspec.Struct, tag=True):
         self.message = self.message[:MAX_TEXT]  # ours may quote a peer's: stay within the limit
 
 
+class Released(msgspec.Struct, tag=True):
+    """prefill -> decode, the answer to decode's Failure: prefill sends and writes nothing more
+    for this transfer, so decode may hand its pages to another request (until then they are
+    fenced: an in-place backend writes into them directly)."""
+
+    transfer_id: Id
+
+
 class Heartbeat(msgspec.Struct, tag=True):
     instance_id: Id
     sent_at: float
@@ -172,6 +181,7 @@ Message = (
     | FirstToken
     | TransferDone
     | Failure
+    | Released
     | Heartbeat
 )
 

@@ -1,14 +1,22 @@
 """Decode side: reserve pages (and a state slot), check every piece against the reservation,
 install it, then decode.
 
-Per request: RESERVED (pages and, for models with per-request state, a state slot held; waiting
-for prefill's ReserveRequest) -> RECEIVING (matched; pieces arriving as prefill computes the prompt
-chunk by chunk, each checked: transfer id, request id, connection, cache kinds, token range
-(continuing where each kind's rows end), size, checksum) -> DONE (installed; the request joins the
-scheduler with num_computed = prompt length and the first token appended, straight into the
-running set with its slot when it holds one); any state -> FAILED (pages and slot freed, prefill
-told, error output). A ReserveRequest that arrives before decode's own copy of the request waits
-as an orphan until that copy arrives or its deadline passes.
+Per request: RESERVED (the scheduler holds pages and, for models with per-request state, a state
+slot; waiting for prefill's ReserveRequest) -> RECEIVING (matched; pieces arriving as prefill
+computes the prompt chunk by chunk, each checked: transfer id, request id, connection, cache kinds,
+token range (continuing where each kind's rows end), size, checksum) -> DONE (installed; the
+scheduler admits the request with num_computed = prompt length and the first token appended);
+any state -> FAILED (prefill told, error output). A ReserveRequest that arrives before decode's own
+copy of the request waits as an orphan until that copy arrives or its deadline passes.
+
+The fence: once prefill knows a reservation's pages (RECEIVING), a transfer that fails here keeps
+its pages and slot out of the pool until prefill says it stopped writing (its Released, or its own
+Failure) or its connection is closed: with an in-place backend (cuda_ipc) prefill writes straight
+into those pages, and a late write must never land in the next owner's KV. A peer that does not
+answer within bootstrap_timeout_s is hung up on, which lifts the fence.
+
+Only the scheduler's public operations touch pages and slots (reserve_transfer, admit_transferred,
+finish, finish_fenced, lift).
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrelay.cache.page_allocator import pages_for
+from kvrelay.cache.block_pool import OutOfPages
 from kvrelay.disagg import handshake as H
 from kvrelay.disagg import protocol as P
 from kvrelay.disagg.agent import Event, TransferAgent
@@ -29,7 +37,7 @@ from kvrelay.disagg.protocol import TState
 from kvrelay.disagg.transport.base import Connection
 from kvrelay.disagg.transport.cuda_ipc import device_checksum, export_tensors
 from kvrelay.engine.messages import RequestOutput, TokenLogprob
-from kvrelay.engine.request import Status
+from kvrelay.engine.scheduler import Fence
 
 log = logging.getLogger("kvrelay.disagg")
 
@@ -55,6 +63,15 @@ class Handshake:
 
 
 @dataclass
+class Fenced:
+    """A failed transfer's pages, held until its prefill can no longer write into them."""
+
+    conn: Connection
+    fence: Fence
+    since: float = field(default_factory=time.monotonic)
+
+
+@dataclass
 class Orphan:
     conn: Connection
     msg: P.ReserveRequest
@@ -74,6 +91,7 @@ class DecodeReceiver(TransferAgent):
         self.ended: dict[
             str, float
         ] = {}  # transfer id -> when it failed: its late pieces are dropped quietly
+        self.fences: dict[str, Fenced] = {}  # transfer id -> pages prefill may still write into
         self._handshakes: dict[Connection, Handshake] = {}  # said hello, not yet authenticated
         self.addr = self.transport.listen(
             self.cfg.transfer_host, self.cfg.transfer_port, self._on_message, self._on_close
@@ -87,13 +105,17 @@ class DecodeReceiver(TransferAgent):
 
     @property
     def in_flight(self) -> bool:
-        return bool(self.transfers or self.orphans or self.refused) or not self.events.empty()
+        return (
+            bool(self.transfers or self.orphans or self.refused or self.fences)
+            or not self.events.empty()
+        )
 
     def state_counts(self) -> dict[str, int]:
         counts = dict.fromkeys(("reserved", "receiving"), 0)
         for t in self.transfers.values():
             counts[t.sm.state.value] += 1
         counts["orphaned"] = len(self.orphans)  # prefill's reservation came before decode's copy
+        counts["fenced"] = len(self.fences)  # failed; pages held until prefill stops writing
         return counts
 
     def _on_handshake(self, conn: Connection, msg: P.Hello | P.Auth | P.Failure) -> None:
@@ -151,8 +173,7 @@ class DecodeReceiver(TransferAgent):
     # -- engine hooks --------------------------------------------------------------------------------
 
     def add(self, req, pd: P.PDParams) -> None:
-        eng, c = self.engine, self.cfg
-        sched, alloc = eng.scheduler, eng.runner.allocator
+        c = self.cfg
         t = DecodeTransfer(req, pd, P.decode_machine(c.bootstrap_timeout_s, c.transfer_timeout_s))
         t.filled = dict.fromkeys(self.kind_by_name, 0)
         if pd.transfer_id in self.transfers:
@@ -160,27 +181,12 @@ class DecodeReceiver(TransferAgent):
                 req.rid, pd.transfer_id, P.Cause.IDENTITY, "duplicate transfer id", "new"
             )
             return
-        # Back-pressure: admit only what fits next to what running and reserved requests may still need.
-        committed = sum(sched._future_pages(r) for r in sched.running + list(sched.waiting))
-        committed += sum(sched._future_pages(x.req) for x in self.transfers.values())
-        need_now = pages_for(len(req.prompt_ids), eng.runner.page_size)
-        need_all = sched._future_pages(req)
-        free = alloc.num_free - committed
-        if need_all > free:
-            msg = f"decode KV cache full: the request needs {need_all} pages, {max(free, 0)} are uncommitted"
-            self._emit_failure(req.rid, pd.transfer_id, P.Cause.NO_KV, msg, "new")
-            self.reject(pd.transfer_id, msg)
+        try:  # back-pressure: only what fits next to what admitted requests may still need
+            self.engine.scheduler.reserve_transfer(req)
+        except OutOfPages as e:
+            self._emit_failure(req.rid, pd.transfer_id, P.Cause.NO_KV, str(e), "new")
+            self.reject(pd.transfer_id, str(e))
             return
-        slots = eng.runner.state_slots
-        # Requests waiting in the scheduler (preempted ones) need a slot when admitted again.
-        if slots is not None and slots.num_free <= len(sched.waiting):
-            msg = f"decode has no free state slot ({slots.num_usable} in use or promised)"
-            self._emit_failure(req.rid, pd.transfer_id, P.Cause.NO_KV, msg, "new")
-            self.reject(pd.transfer_id, msg)
-            return
-        req.pages = alloc.alloc(need_now)
-        if slots is not None:
-            req.state_slot = slots.alloc(1)[0]
         self.transfers[pd.transfer_id] = t
         orphan = self.orphans.pop(pd.transfer_id, None)
         if orphan is not None:
@@ -196,11 +202,11 @@ class DecodeReceiver(TransferAgent):
     def abort(self, rid: str) -> bool:
         for t in list(self.transfers.values()):
             if t.req.rid == rid:
-                self._drop(t)
-                self._count_failure(P.Cause.ABORTED)
-                self._send(
+                sent = self._send(
                     t.conn, P.Failure(t.pd.transfer_id, P.Cause.ABORTED, "aborted on decode")
                 )
+                self._drop(t, fence=sent)
+                self._count_failure(P.Cause.ABORTED)
                 log.info(
                     "transfer aborted rid=%s transfer_id=%s state=%s",
                     rid,
@@ -253,6 +259,13 @@ class DecodeReceiver(TransferAgent):
             else:
                 self._match(t, ev.conn, msg)
             return
+        if isinstance(msg, P.Released | P.Failure) and tid in self.fences:
+            # prefill stopped writing (a Failure of its own says so too): the pages may go back
+            if self.fences[tid].conn is ev.conn:
+                self._lift(tid)
+            return
+        if isinstance(msg, P.Released):
+            return  # nothing fenced (never matched, or its connection closed first)
         if t is None:
             if isinstance(msg, P.Failure):
                 self.orphans.pop(tid, None)
@@ -384,7 +397,7 @@ class DecodeReceiver(TransferAgent):
             torch.empty(
                 eng.src.config.vocab_size, dtype=torch.float32, device=eng.runner.device
             ).exponential_(generator=req.generator)
-        reason = eng._stop_reason(req, f.token_id)
+        reason = eng.stop_reason(req, f.token_id)
         top = None if f.top_logprobs is None else [[TokenLogprob(a, b) for a, b in f.top_logprobs]]
         eng.emit(
             RequestOutput(
@@ -397,36 +410,40 @@ class DecodeReceiver(TransferAgent):
             )
         )
         if reason is not None:
-            self._release(req)
-        elif req.state_slot:
-            _run_now(eng.scheduler, req)
+            eng.scheduler.finish(req, reason)
         else:
-            eng.scheduler.add(req)
+            eng.scheduler.admit_transferred(req)
 
-    def _release(self, req) -> None:
-        self.engine.runner.allocator.free(req.pages)
-        req.pages = []
-        if req.state_slot:
-            self.engine.runner.state_slots.free([req.state_slot])
-            req.state_slot = 0
-
-    def _drop(self, t: DecodeTransfer) -> None:
+    def _drop(self, t: DecodeTransfer, fence: bool) -> None:
+        """End a transfer here. `fence`: prefill was just told, and may still be writing into the
+        pages it was given (RECEIVING): they stay held until it says it stopped."""
+        known = t.sm.state == TState.RECEIVING and t.conn is not None  # prefill has the pages
         if not t.sm.final:
             t.sm.to(TState.FAILED)
-        self.ended[t.pd.transfer_id] = time.monotonic()
-        self.transfers.pop(t.pd.transfer_id, None)
-        self._release(t.req)
+        tid = t.pd.transfer_id
+        self.ended[tid] = time.monotonic()
+        self.transfers.pop(tid, None)
+        sched = self.engine.scheduler
+        if fence and known:
+            self.fences[tid] = Fenced(t.conn, sched.finish_fenced(t.req, "error"))
+        else:
+            sched.finish(t.req, "error")
+
+    def _lift(self, tid: str) -> None:
+        self.engine.scheduler.lift(self.fences.pop(tid).fence)
 
     def _fail(self, t: DecodeTransfer, cause: str, message: str, notify: bool = True) -> None:
         state = t.sm.state.value
-        self._drop(t)
-        if notify:
-            self._send(t.conn, P.Failure(t.pd.transfer_id, cause, message))
+        sent = notify and self._send(t.conn, P.Failure(t.pd.transfer_id, cause, message))
+        self._drop(t, fence=sent)
         self._emit_failure(t.req.rid, t.pd.transfer_id, cause, message, state)
 
     def _on_conn_lost(self, conn: Connection, reason: str) -> None:
         self._handshakes.pop(conn, None)
         self._lost_peer(conn)
+        for tid, f in list(self.fences.items()):
+            if f.conn is conn:  # nothing more arrives on it: nothing more is written
+                self._lift(tid)
         for tid, o in list(self.orphans.items()):
             if o.conn is conn:
                 del self.orphans[tid]
@@ -452,6 +469,16 @@ class DecodeReceiver(TransferAgent):
         for tid, when in list(self.ended.items()):
             if now - when > self.cfg.bootstrap_timeout_s:
                 del self.ended[tid]
+        for tid, f in list(self.fences.items()):
+            if now - f.since > self.cfg.bootstrap_timeout_s:
+                # A peer that never says it stopped is hung up on; only then do the pages go back.
+                log.warning(
+                    "prefill never released a failed transfer's pages, closing peer=%s transfer_id=%s",
+                    f.conn.peer,
+                    tid,
+                )
+                f.conn.close()
+                self._lift(tid)
         for tid, o in list(self.orphans.items()):
             if now - o.arrived > self.cfg.bootstrap_timeout_s:
                 del self.orphans[tid]
@@ -463,12 +490,3 @@ class DecodeReceiver(TransferAgent):
 
 def _mismatch(h: P.ChunkHeader) -> str:
     return f"checksum mismatch on {h.kinds[0]}.. tokens [{h.token_start}, {h.token_end})"
-
-
-def _run_now(sched, req) -> None:
-    """Into the running set with the slot it holds: the scheduler's admission would take a
-    second slot (and drop the installed state)."""
-    sched.add(req)  # stamps its arrival order (preemption evicts the newest)
-    sched.waiting.remove(req)
-    req.status = Status.RUNNING
-    sched.running.append(req)

@@ -4,7 +4,9 @@ Per request: BOOTSTRAPPING (ReserveRequest sent) -> PREFILLING (decode holds pag
 in the local scheduler; the paged cache rows each prompt chunk completed go out, per layer group,
 right after the step that computed it) -> SENDING (the last chunk, the per-request state after the
 prompt and the first token sent, pages and slot freed here; waiting for decode's TransferDone) ->
-DONE; any state -> FAILED with a cause, a log line and an error output.
+DONE; any state -> FAILED with a cause, a log line and an error output. A Failure from decode is
+answered with Released once nothing more will be sent or written for that transfer: decode keeps
+the pages it gave us fenced until then.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
-from kvrelay.cache.page_allocator import pages_for
+from kvrelay.cache.paging import pages_for
 from kvrelay.disagg import handshake as H
 from kvrelay.disagg import protocol as P
 from kvrelay.disagg.agent import Event, TransferAgent
@@ -117,7 +119,8 @@ class PrefillSender(TransferAgent):
         return counts
 
     def _send(self, conn: Connection | None, msg: P.Message, buffers=()) -> bool:
-        if self._delayed is not None and isinstance(msg, P.ChunkHeader | P.FirstToken):
+        # Released goes the same way: it must not overtake the pieces it says are the last.
+        if self._delayed is not None and isinstance(msg, P.ChunkHeader | P.FirstToken | P.Released):
             if conn is None or conn.closed:
                 return False
             self._delayed.put(conn, P.encode(msg), buffers)
@@ -382,6 +385,8 @@ class PrefillSender(TransferAgent):
 
     def _write_in_place(self, t: PrefillTransfer, kinds: list, rows: list, start: int, end: int):
         """cuda_ipc: copy the rows straight into decode's pages, then send only the header."""
+        if t.peer.conn.closed:  # decode may have given these pages to another request by now
+            raise ConnectionError("connection to decode lost while sending KV")
         began, n = time.monotonic(), len(t.req.prompt_ids)
         dst = piece_rows(
             kinds, t.dst_pages, t.dst_slot, self.engine.runner.page_size, start, end, n
@@ -396,7 +401,8 @@ class PrefillSender(TransferAgent):
             t.corrupt = False
             k, r = next((k, r) for k, r in zip(kinds, dst, strict=True) if len(r))
             t.peer.remote[k.name][r[0], :16] ^= 0xFF
-        torch.cuda.synchronize(data.device)  # decode reads the rows once the header arrives
+        if data.device.type == "cuda":
+            torch.cuda.synchronize(data.device)  # decode reads the rows once the header arrives
         hdr = P.ChunkHeader(
             t.pd.transfer_id, t.req.rid, [k.name for k in kinds], start, end, data.numel(),
             device_checksum(data) if self.cfg.checksum else None, in_place=True,
@@ -443,6 +449,8 @@ class PrefillSender(TransferAgent):
                 type(msg).__name__,
                 getattr(msg, "transfer_id", ""),
             )
+            if isinstance(msg, P.Failure) and msg.transfer_id:
+                self._send(ev.conn, P.Released(msg.transfer_id))  # ended here: nothing more comes
             return
         if isinstance(msg, P.ReserveAck):
             if t.sm.state != TState.BOOTSTRAPPING:
@@ -482,6 +490,7 @@ class PrefillSender(TransferAgent):
                 f"decode reported: {msg.message}",
                 notify=False,
             )
+            self._send(ev.conn, P.Released(msg.transfer_id))  # failed here: nothing more comes
 
     def _fail(self, t: PrefillTransfer, cause: str, message: str, notify: bool = True) -> None:
         state = t.sm.state.value

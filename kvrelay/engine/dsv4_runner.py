@@ -9,7 +9,7 @@ import logging
 import torch
 
 from kvrelay.cache.dsv4_pool import DeepseekV4CachePool, dsv4_page_size
-from kvrelay.cache.page_allocator import PageAllocator, pages_for
+from kvrelay.cache.paging import pages_for
 from kvrelay.config import EngineConfig
 from kvrelay.disagg.layout import PAGE, SLOT, CacheKind
 from kvrelay.engine.runner import cache_budget, pick_device, pick_dtype
@@ -42,7 +42,7 @@ class DeepseekV4Runner:
             c, num_pages, self.page_size, num_slots, self.dtype, self.device,
             cfg.cache.index_k_dtype,
         )  # fmt: skip
-        self.allocator = PageAllocator(num_pages)
+        self.num_pages = num_pages  # the scheduler hands them out (page 0 never)
         self.layer_hook = None  # benchmarks of the reference path: called before each layer
         self.reference = cfg.attention_backend == "reference"
         self.ratios = tuple(
@@ -54,7 +54,7 @@ class DeepseekV4Runner:
 
             use_norm_kernel(self.model, rms_norm_wide)
         # Admission keeps running requests <= max_running_requests, so a slot is always free.
-        self.state_slots = PageAllocator(num_slots)
+        self.num_state_slots = num_slots  # the scheduler hands them out (slot 0 never)
         pool_tokens = (num_pages - 1) * self.page_size
         self.max_model_len = min(cfg.max_model_len or c.max_position_embeddings, pool_tokens)
         self.graphs = None

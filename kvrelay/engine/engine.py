@@ -26,9 +26,8 @@ class Engine:
         self.cfg = cfg
         self.src = src or resolve(cfg.model, cfg.load_format, cfg.tokenizer)
         self.runner = make_runner(cfg, self.src)
-        self.scheduler = Scheduler(
-            cfg.scheduler, self.runner.allocator, self.runner.page_size, self.runner.state_slots
-        )
+        r = self.runner
+        self.scheduler = Scheduler(cfg.scheduler, r.num_pages, r.page_size, r.num_state_slots)
         self.eos_ids = set(self.src.config.eos_token_ids)
         self._rng = random.Random(cfg.seed)
         self._pending: list[RequestOutput] = []
@@ -117,7 +116,7 @@ class Engine:
         num_prefill: int = 0,
         components: dict[str, float] | None = None,
     ) -> EngineStats:
-        a = self.runner.allocator
+        a = self.scheduler.page_pool
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -196,7 +195,7 @@ class Engine:
                 if shipped:
                     continue  # sent to decode with the prompt's KV; decode continues from here
             req.output_ids.append(tok)
-            reason = out.finish_reason = self._stop_reason(req, tok)
+            reason = out.finish_reason = self.stop_reason(req, tok)
             if reason is not None:
                 self.scheduler.finish(req, reason)
             outputs.append(out)
@@ -208,7 +207,8 @@ class Engine:
     def _fault_active(self, batch_size: int) -> bool:
         return self.cfg.fault_swap_token_p > 0 and batch_size > self.cfg.fault_swap_token_min_batch
 
-    def _stop_reason(self, req: Request, tok: int) -> str | None:
+    def stop_reason(self, req: Request, tok: int) -> str | None:
+        """Why req stops after appending `tok` (None: it goes on); the PD receiver asks too."""
         p = req.params
         if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             return "stop"
@@ -217,11 +217,8 @@ class Engine:
         return None
 
     def check_idle_integrity(self) -> None:
-        """With nothing running, every KV page must be back in the free list."""
-        held = [r.pages for r in self.scheduler.running] + [r.pages for r in self.scheduler.waiting]
-        if self.agent is not None and self.agent.role == "decode":
-            held += [t.req.pages for t in self.agent.transfers.values()]
-        self.runner.allocator.check_integrity(held)
+        """Every KV page and state slot is free or held by its owners exactly as counted."""
+        self.scheduler.check_integrity()
 
 
 def generate(

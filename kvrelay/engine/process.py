@@ -82,7 +82,7 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str) -> None:
         enc.encode(
             EngineReady(
                 engine.max_model_len,
-                (r.allocator.num_usable) * r.page_size,
+                engine.scheduler.page_pool.num_usable * r.page_size,
                 r.page_size,
                 str(r.device),
                 str(r.dtype),

@@ -12,6 +12,7 @@ from kvrelay.engine.messages import SamplingParams
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    RESERVED = "reserved"  # KV held for a transfer still arriving (PD decode); not scheduled
     FINISHED = "finished"
 
 

@@ -1,4 +1,7 @@
-"""Owns the model, the KV pool and the CUDA graphs; runs one forward pass for a scheduled batch."""
+"""Owns the model, the KV tensors and the CUDA graphs; runs one forward pass for a scheduled batch.
+
+Which pages are in use is the scheduler's business: the runner only says how many its tensors hold.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import os
 import torch
 
 from kvrelay.cache.kv_pool import KVPool, bytes_per_token
-from kvrelay.cache.page_allocator import PageAllocator, pages_for
+from kvrelay.cache.paging import pages_for
 from kvrelay.config import EngineConfig
 from kvrelay.disagg.layout import PAGE, CacheKind
 from kvrelay.engine.batch import ForwardBatch, prepare
@@ -64,7 +67,7 @@ class ModelRunner:
             src, self.dtype, self.device, cfg.seed, cfg.max_model_len or 1 << 17
         )
         self.model_cfg = src.config
-        self.state_slots = None  # dense models keep no per-request state outside the KV pages
+        self.num_state_slots = 0  # dense models keep no per-request state outside the KV pages
         backend = cfg.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
@@ -75,7 +78,7 @@ class ModelRunner:
         self.ops = triton_ops() if backend == "triton" else TORCH_OPS
         num_pages = self._num_pages()
         self.kv = KVPool(self.model_cfg, num_pages, self.page_size, self.dtype, self.device)
-        self.allocator = PageAllocator(num_pages)
+        self.num_pages = num_pages  # page 0 included (the dummy page padded rows write to)
         pool_tokens = (num_pages - 1) * self.page_size
         self.max_model_len = min(
             cfg.max_model_len or self.model_cfg.max_position_embeddings, pool_tokens

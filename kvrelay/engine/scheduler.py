@@ -1,9 +1,16 @@
-"""Continuous batching with chunked prefill under a per-step token budget.
+"""Continuous batching with chunked prefill under a per-step token budget; owns which KV pages
+and state slots are in use.
 
 Every step: running requests first (one token each in decode, the next chunk in prefill), then
 new requests while the budget and the KV reservation allow. Admission reserves KV for a request's
-prompt and `kv_reserve_ratio` of its max_tokens; when the pool runs dry anyway, the newest running
-request is preempted and recomputed later.
+prompt and `kv_reserve_ratio` of its max_tokens, at most `kv_reserve_max_tokens` of them (a
+request without a real limit must not hold the whole context); running requests grow page by page
+and, when the pool runs dry anyway, the newest running request is preempted and recomputed later.
+
+The runner owns the cache tensors; the scheduler owns the refcounted pools of their page and slot
+ids. Everything outside the engine (the PD receiver and sender) goes through the public operations
+here: reserve KV for an incoming transfer, admit a request whose KV has arrived, finish (or fence)
+a request.
 """
 
 from __future__ import annotations
@@ -11,7 +18,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kvrelay.cache.page_allocator import PageAllocator, pages_for
+from kvrelay.cache.block_pool import BlockPool, OutOfPages
+from kvrelay.cache.paging import pages_for
 from kvrelay.config import SchedulerConfig
 from kvrelay.engine.request import Request, Status
 
@@ -27,22 +35,37 @@ class ScheduledRequest:
         return self.req.num_computed + self.num_new_tokens == self.req.num_tokens
 
 
+@dataclass
+class Fence:
+    """A finished request's pages and slot, kept out of the pools while a peer may still write
+    into them (a transfer that failed on this side while prefill was sending)."""
+
+    rid: str
+    pages: list[int]
+    state_slot: int
+
+
 class Scheduler:
     def __init__(
         self,
         cfg: SchedulerConfig,
-        allocator: PageAllocator,
+        num_pages: int,
         page_size: int,
-        state_slots: PageAllocator | None = None,
+        num_state_slots: int = 0,
     ) -> None:
-        self.cfg, self.allocator, self.page_size = cfg, allocator, page_size
-        # Per-request state slots (one per running request) for models that keep state
-        # outside the pages; sized max_running_requests + 1, so admission never runs out.
-        self.state_slots = state_slots
+        self.cfg, self.page_size = cfg, page_size
+        self.page_pool = BlockPool(num_pages, "page")
+        # Per-request state slots (one per running request) for models that keep state outside
+        # the pages; sized max_running_requests + 1, so admission never runs out.
+        self.slot_pool = BlockPool(num_state_slots, "state slot") if num_state_slots else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.reserved: list[Request] = []  # KV held for transfers still arriving (PD decode)
+        self.fences: list[Fence] = []
         self.num_preemptions = 0
         self._arrivals = 0
+
+    # -- requests in and out -------------------------------------------------------------------
 
     def add(self, req: Request) -> None:
         req.arrival = self._arrivals
@@ -50,6 +73,8 @@ class Scheduler:
         self.waiting.append(req)
 
     def find(self, rid: str) -> Request | None:
+        """A running or waiting request (a reserved transfer is the PD receiver's to end: it
+        knows whether its pages must be fenced)."""
         for r in self.running:
             if r.rid == rid:
                 return r
@@ -59,40 +84,122 @@ class Scheduler:
         return None
 
     def finish(self, req: Request, reason: str) -> None:
+        """Out of the queues, pages and slot back to the pools (harmless when already finished)."""
+        self._leave(req, reason)
+        self._release(req)
+
+    def finish_fenced(self, req: Request, reason: str) -> Fence:
+        """Finish, but keep the request's pages and slot out of the pools until `lift(fence)`:
+        a peer may still be writing into them."""
+        self._leave(req, reason)
+        fence = Fence(req.rid, req.pages, req.state_slot)
+        req.pages, req.state_slot = [], 0
+        self.fences.append(fence)
+        return fence
+
+    def lift(self, fence: Fence) -> None:
+        """The peer can no longer write into a fenced request's pages: they go back."""
+        self.fences.remove(fence)
+        self.page_pool.free(fence.pages)
+        if fence.state_slot:
+            self.slot_pool.free([fence.state_slot])
+
+    def _leave(self, req: Request, reason: str) -> None:
         if req.status == Status.RUNNING:
             self.running.remove(req)
         elif req.status == Status.WAITING:
             self.waiting.remove(req)
-        self._release(req)
+        elif req.status == Status.RESERVED:
+            self.reserved.remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
 
     def _release(self, req: Request) -> None:
-        self.allocator.free(req.pages)
+        self.page_pool.free(req.pages)
         req.pages = []
         if req.state_slot:
-            self.state_slots.free([req.state_slot])
+            self.slot_pool.free([req.state_slot])
             req.state_slot = 0
+
+    # -- KV for transfers (PD decode) ----------------------------------------------------------
+
+    def reserve_transfer(self, req: Request) -> None:
+        """Hold the pages of req's prompt (and a state slot) for KV that another engine sends.
+
+        Raises OutOfPages, saying why, unless the request fits next to what running, waiting and
+        reserved requests may still need (back-pressure: a refusal now, not an OOM later)."""
+        committed = sum(self._future_pages(r) for r in self._holders())
+        need_all = self._future_pages(req)
+        free = self.page_pool.num_free - committed
+        if need_all > free:
+            raise OutOfPages(
+                f"decode KV cache full: the request needs {need_all} pages, "
+                f"{max(free, 0)} are uncommitted"
+            )
+        # Waiting requests (preempted ones) need a slot when admitted again.
+        slots = self.slot_pool
+        if slots is not None and slots.num_free <= len(self.waiting):
+            raise OutOfPages(
+                f"decode has no free state slot ({slots.num_usable} in use or promised)"
+            )
+        req.pages = self.page_pool.alloc(self._pages_for(len(req.prompt_ids)))
+        if slots is not None:
+            req.state_slot = slots.alloc(1)[0]
+        req.status = Status.RESERVED
+        self.reserved.append(req)
+
+    def admit_transferred(self, req: Request) -> None:
+        """req's prompt KV (and state) arrived in its reserved pages and its first token is
+        appended: it continues from there. With a state slot it runs at once (admission would
+        take a second slot, dropping the installed state); otherwise it queues for admission."""
+        self.reserved.remove(req)
+        req.num_computed = len(req.prompt_ids)
+        self.add(req)  # stamps its arrival order (preemption evicts the newest)
+        if req.state_slot:
+            self.waiting.remove(req)
+            req.status = Status.RUNNING
+            self.running.append(req)
+        else:
+            req.status = Status.WAITING
+
+    # -- accounting ----------------------------------------------------------------------------
 
     @property
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
+    def _holders(self) -> list[Request]:
+        return self.running + list(self.waiting) + self.reserved
+
+    def check_integrity(self) -> None:
+        """Every page and slot is free or held by its owners exactly as often as counted."""
+        owners = self._holders()
+        self.page_pool.check_integrity([r.pages for r in owners] + [f.pages for f in self.fences])
+        if self.slot_pool is not None:
+            slots = [[r.state_slot] for r in owners if r.state_slot]
+            slots += [[f.state_slot] for f in self.fences if f.state_slot]
+            self.slot_pool.check_integrity(slots)
+
     def _pages_for(self, num_tokens: int) -> int:
         return pages_for(num_tokens, self.page_size)
 
+    def _reserve_tokens(self, req: Request) -> int:
+        """Output tokens whose KV admission holds room for; the rest grows on demand."""
+        want = int(req.remaining_max_tokens * self.cfg.kv_reserve_ratio + 0.999)
+        return min(want, self.cfg.kv_reserve_max_tokens)
+
     def _future_pages(self, req: Request) -> int:
         """Pages this request may still need: the rest of its prompt and its reserved output."""
-        reserve = int(req.remaining_max_tokens * self.cfg.kv_reserve_ratio + 0.999)
-        return max(self._pages_for(req.num_tokens + reserve) - len(req.pages), 0)
+        need = self._pages_for(req.num_tokens + self._reserve_tokens(req))
+        return max(need - len(req.pages), 0)
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         need = self._pages_for(num_tokens) - len(req.pages)
         if need <= 0:
             return True
-        if need > self.allocator.num_free:
+        if need > self.page_pool.num_free:
             return False
-        req.pages += self.allocator.alloc(need)
+        req.pages += self.page_pool.alloc(need)
         return True
 
     def _preempt_newest(self) -> Request:
@@ -103,6 +210,8 @@ class Scheduler:
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
         return victim
+
+    # -- the step ------------------------------------------------------------------------------
 
     def schedule(self) -> tuple[list[ScheduledRequest], list[Request]]:
         """Returns the step's work and the requests that cannot ever fit.
@@ -132,15 +241,16 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens - sum(s.num_new_tokens for s in batch)
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
             req = self.waiting[0]
-            if self._pages_for(req.num_tokens) > self.allocator.num_usable:
+            if self._pages_for(req.num_tokens) > self.page_pool.num_usable:
                 # Even an empty pool cannot hold its tokens: it can never run (and must not be
                 # admitted chunk by chunk only to preempt itself forever).
                 self.finish(req, "error")
                 unfittable.append(req)
                 continue
-            reserved = sum(self._future_pages(r) for r in self.running)
+            # Reserved transfers count too: they join the running set once their KV arrives.
+            reserved = sum(self._future_pages(r) for r in self.running + self.reserved)
             need = self._future_pages(req)
-            if self.allocator.num_free - reserved < need and self.running:
+            if self.page_pool.num_free - reserved < need and self.running:
                 break
             n = min(req.num_uncomputed, budget)
             if not self._grow(req, req.num_computed + n):
@@ -151,8 +261,8 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
-            if self.state_slots is not None:
-                req.state_slot = self.state_slots.alloc(1)[0]
+            if self.slot_pool is not None and not req.state_slot:
+                req.state_slot = self.slot_pool.alloc(1)[0]
             req.status = Status.RUNNING
             self.running.append(req)
             batch.append(ScheduledRequest(req, n))

@@ -78,7 +78,7 @@ class Pair:
             )
         )
         for e in (self.p, self.d):
-            assert e.runner.allocator.num_used == 0
+            assert e.scheduler.page_pool.num_used == 0
             e.check_idle_integrity()
 
 

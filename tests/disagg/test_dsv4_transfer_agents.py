@@ -69,7 +69,7 @@ def make_pair():
 def _assert_clean(pr) -> None:
     pr.assert_clean()
     for e in (pr.p, pr.d):
-        assert e.runner.state_slots.num_used == 0
+        assert e.scheduler.slot_pool.num_used == 0
 
 
 def test_pd_equals_single_engine(make_pair, single):
@@ -130,7 +130,7 @@ def test_corrupt_bytes_free_pages_and_slots(make_pair):
 def test_no_free_state_slot_refuses_before_prefill_computes(make_pair):
     pr = make_pair(_engine("prefill"), _engine("decode", max_running=1))
     pr.submit("hold", _prompt(40, seed=4), send_prefill=False)  # holds decode's only slot
-    assert pr.d.runner.state_slots.num_free == 0
+    assert pr.d.scheduler.slot_pool.num_free == 0
     pr.submit("more", _prompt(40, seed=5))
     pr.pump(lambda: pr.finished("decode", "more") and pr.finished("prefill", "more"), timeout=60)
     _assert_failed(pr, "more", "decode", Cause.NO_KV)

@@ -49,7 +49,7 @@ def _prefill_alone(p, rid: str, addr: str):
         p.poll_transfers()
         for o in p.step().outputs if p.has_work else []:
             if o.rid == rid and o.finish_reason:
-                assert p.runner.allocator.num_used == 0
+                assert p.scheduler.page_pool.num_used == 0
                 return o
         time.sleep(0.01)
     raise AssertionError(f"{rid}: no output")

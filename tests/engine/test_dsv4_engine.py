@@ -51,20 +51,20 @@ def prompt(n: int, seed: int) -> list[int]:
 
 def chunked_logits(engine: Engine, ids: list[int], chunk: int) -> torch.Tensor:
     """Logits of every position, prefilled `chunk` tokens at a time through the paged cache."""
-    r = engine.runner
+    r, sched = engine.runner, engine.scheduler
     req = Request("chunked", ids, SamplingParams(max_tokens=1), 0)
-    req.state_slot = r.state_slots.alloc(1)[0]
+    req.state_slot = sched.slot_pool.alloc(1)[0]
     out = []
     try:
         while req.num_computed < len(ids):
             n = min(chunk, len(ids) - req.num_computed)
             need = -(-(req.num_computed + n) // r.page_size) - len(req.pages)
-            req.pages += r.allocator.alloc(need)
+            req.pages += sched.page_pool.alloc(need)
             out.append(r.forward([ScheduledRequest(req, n)], all_rows=True))
             req.num_computed += n
     finally:
-        r.allocator.free(req.pages)
-        r.state_slots.free([req.state_slot])
+        sched.page_pool.free(req.pages)
+        sched.slot_pool.free([req.state_slot])
     return torch.cat(out)
 
 
@@ -110,7 +110,7 @@ def test_sixteen_batched_equal_each_alone(engine: Engine) -> None:
     alone = [[t for o in generate(engine, [ids], p)[0] for t in o.token_ids] for ids in prompts]
     assert batched == alone
     engine.check_idle_integrity()
-    assert engine.runner.state_slots.num_used == 0
+    assert engine.scheduler.slot_pool.num_used == 0
 
 
 def test_preemption_recomputes_the_same_tokens() -> None:
@@ -123,7 +123,7 @@ def test_preemption_recomputes_the_same_tokens() -> None:
     want = [[t for o in outs for t in o.token_ids] for outs in generate(roomy, prompts, p)]
     assert got == want
     tight.check_idle_integrity()
-    assert tight.runner.state_slots.num_used == 0
+    assert tight.scheduler.slot_pool.num_used == 0
 
 
 def test_qat_on_chunked_greedy_tokens_match() -> None:
@@ -139,9 +139,9 @@ def test_qat_on_chunked_greedy_tokens_match() -> None:
 
 def test_fp8_index_keys_round_trip_within_fp8_error() -> None:
     eng = make_engine(index_k_dtype="fp8")
-    pool, r = eng.runner.cache, eng.runner
+    pool = eng.runner.cache
     layer = next(i for i, k in enumerate(pool.index_k) if k is not None)
-    pages = torch.tensor(r.allocator.alloc(2))
+    pages = torch.tensor(eng.scheduler.page_pool.alloc(2))
     rows = torch.randn(8, pool.cfg.index_head_dim) * torch.logspace(-2, 2, 8)[:, None]
     pool._write_index_k(layer, pages, 0, rows)
     back = pool._read_index_k(layer, pages, 8)
@@ -150,5 +150,5 @@ def test_fp8_index_keys_round_trip_within_fp8_error() -> None:
     # and it serves: the same greedy run completes with fp8 keys
     out = generate(eng, [prompt(50, seed=5)], SamplingParams(max_tokens=4, temperature=0.0))
     assert sum(len(o.token_ids) for o in out[0]) >= 1
-    r.allocator.free(pages.tolist())
+    eng.scheduler.page_pool.free(pages.tolist())
     eng.check_idle_integrity()

@@ -106,7 +106,7 @@ def test_each_prompt_alone_matches_hf(engine, prompt_ids, hf_reference):
 def test_continuous_batch_matches_hf(engine, prompt_ids, hf_reference):
     _check(generate(engine, prompt_ids, GREEDY), hf_reference)
     engine.check_idle_integrity()
-    assert engine.runner.allocator.num_used == 0
+    assert engine.scheduler.page_pool.num_used == 0
 
 
 def test_chunked_prefill_matches_hf(prompt_ids, hf_reference):

@@ -44,7 +44,7 @@ def test_preempted_requests_give_the_same_tokens(smollm2_tokenizer):
     assert tight.scheduler.num_preemptions > 0
     assert got == want
     tight.check_idle_integrity()
-    assert tight.runner.allocator.num_used == 0
+    assert tight.scheduler.page_pool.num_used == 0
 
 
 def test_full_reservation_never_preempts(smollm2_tokenizer):

@@ -1,4 +1,4 @@
-"""kvrelay.engine.scheduler with a real PageAllocator, no model: budgets, order, KV, preemption."""
+"""kvrelay.engine.scheduler and its real block pool, no model: budgets, order, KV, preemption."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrelay.cache.page_allocator import PageAllocator
+from kvrelay.cache.block_pool import OutOfPages
 from kvrelay.config import SchedulerConfig
 from kvrelay.engine.messages import SamplingParams
 from kvrelay.engine.request import Request, Status
@@ -29,7 +29,7 @@ def _sched(
     cfg = SchedulerConfig(
         max_num_batched_tokens=budget, max_running_requests=max_running, kv_reserve_ratio=ratio
     )
-    return Scheduler(cfg, PageAllocator(num_pages), page_size)
+    return Scheduler(cfg, num_pages, page_size)
 
 
 def _req(rid: str, prompt_len: int, max_tokens: int = 16) -> Request:
@@ -89,7 +89,7 @@ def test_chunked_prefill_respects_budget_and_chunks_add_up() -> None:
     assert chunks == [16, 16, 16, 2, 1, 1]
     assert sum(chunks[:4]) == 50
     assert sampled_at == [3, 4, 5]  # the first token only once the whole prompt is in the cache
-    assert a.status == Status.FINISHED and s.allocator.num_free == s.allocator.num_usable
+    assert a.status == Status.FINISHED and s.page_pool.num_free == s.page_pool.num_usable
 
 
 def test_several_prompts_share_the_budget() -> None:
@@ -188,7 +188,7 @@ def test_admission_waits_for_the_kv_reservation_and_proceeds_when_pages_free() -
     s.finish(a, "stop")
     batch, _ = s.schedule()
     assert [x.req for x in batch] == [b] and b.status == Status.RUNNING
-    s.allocator.check_integrity(_held(s))
+    s.page_pool.check_integrity(_held(s))
 
 
 def test_lower_reserve_ratio_admits_more() -> None:
@@ -208,7 +208,7 @@ def test_preemption_evicts_the_newest_running_request() -> None:
     for r in (a, b, c):
         s.add(r)
     _step(s)
-    assert s.running == [a, b, c] and s.allocator.num_free == 1
+    assert s.running == [a, b, c] and s.page_pool.num_free == 1
     d = _req("d", 2)
     s.add(d)
     c_pages = list(c.pages)
@@ -219,8 +219,8 @@ def test_preemption_evicts_the_newest_running_request() -> None:
     assert c.status == Status.WAITING and c.num_computed == 0 and c.pages == []
     assert list(s.waiting) == [c, d]  # at the front, ahead of the request that was waiting
     assert c.output_ids == [7]  # its output so far is kept and will be recomputed
-    assert c_pages[0] in b.pages and s.allocator.num_free == 0  # c's page went to b
-    s.allocator.check_integrity(_held(s))
+    assert c_pages[0] in b.pages and s.page_pool.num_free == 0  # c's page went to b
+    s.page_pool.check_integrity(_held(s))
     s.advance(batch)
     # Once a and b finish, c is recomputed from scratch: prompt and output, 5 tokens.
     s.finish(a, "stop")
@@ -239,7 +239,7 @@ def test_preemption_of_the_current_request_itself() -> None:
     batch, unfittable = s.schedule()
     assert [x.req for x in batch] == [a] and not unfittable
     assert list(s.waiting) == [b] and b.num_computed == 0 and s.num_preemptions == 1
-    s.allocator.check_integrity(_held(s))
+    s.page_pool.check_integrity(_held(s))
 
 
 # -- unfittable requests -----------------------------------------------------------------------
@@ -257,13 +257,13 @@ def test_a_prompt_that_can_never_fit_is_reported(budget: int) -> None:
         seen += unfittable
         for r in unfittable:
             s.finish(r, "error")  # what the engine does with them: must be harmless
-        s.allocator.check_integrity(_held(s))
+        s.page_pool.check_integrity(_held(s))
         if not s.has_work:
             break
     assert seen == [big] and big.status == Status.FINISHED
     assert s.num_preemptions == 0  # no admit-chunk-then-preempt-itself loop
     assert ok.status == Status.FINISHED and ok.finish_reason == "length"
-    assert s.allocator.num_free == s.allocator.num_usable
+    assert s.page_pool.num_free == s.page_pool.num_usable
 
 
 def test_a_request_that_outgrows_the_whole_pool_alone_is_reported() -> None:
@@ -273,12 +273,12 @@ def test_a_request_that_outgrows_the_whole_pool_alone_is_reported() -> None:
     seen: list[Request] = []
     for _ in range(10):
         seen += _step(s)[1]
-        s.allocator.check_integrity(_held(s))
+        s.page_pool.check_integrity(_held(s))
         if not s.has_work:
             break
     assert seen == [r] and not s.has_work
     assert r.num_tokens == 9  # it ran until its next token had no page left
-    assert s.allocator.num_free == s.allocator.num_usable
+    assert s.page_pool.num_free == s.page_pool.num_usable
 
 
 def test_a_request_that_fits_alone_waits_instead_of_being_reported() -> None:
@@ -316,20 +316,20 @@ def _simulate(seed: int, page_size: int, num_pages: int, budget: int, ratio: flo
         for r in unfittable:
             assert r.status == Status.FINISHED and r.pages == []
             # Unfittable means: even the empty pool cannot hold what it must compute.
-            assert _cdiv(r.num_tokens, page_size) > s.allocator.num_usable
+            assert _cdiv(r.num_tokens, page_size) > s.page_pool.num_usable
         sampling = [x.req for x in batch if x.samples]
         s.advance(batch)
         for r in sampling:
             r.output_ids.append(rng.randint(0, 99))
             if len(r.output_ids) >= r.params.max_tokens or rng.random() < 0.05:
                 s.finish(r, "stop")
-        s.allocator.check_integrity(_held(s))
+        s.page_pool.check_integrity(_held(s))
         assert all(r.pages == [] and r.num_computed == 0 for r in s.waiting)
         assert all(r.pages == [] for r in reqs if r.status == Status.FINISHED)
         if step >= 60 and not s.has_work:
             break
     assert not s.has_work, "the scheduler did not drain"
-    assert s.allocator.num_free == s.allocator.num_usable
+    assert s.page_pool.num_free == s.page_pool.num_usable
     return s, reqs
 
 
@@ -359,13 +359,122 @@ def test_check_integrity_catches_a_leaked_or_double_owned_page() -> None:
         s.add(_req(f"r{i}", 10))
     for _ in range(3):
         _step(s)
-    s.allocator.check_integrity(_held(s))
+    s.page_pool.check_integrity(_held(s))
     victim = s.running[0]
     leaked = victim.pages.pop()  # held by nobody, and not free
     with pytest.raises(AssertionError):
-        s.allocator.check_integrity(_held(s))
+        s.page_pool.check_integrity(_held(s))
     victim.pages.append(leaked)
-    s.allocator.check_integrity(_held(s))
+    s.page_pool.check_integrity(_held(s))
     s.running[1].pages.append(victim.pages[0])  # owned twice
     with pytest.raises(AssertionError):
-        s.allocator.check_integrity(_held(s))
+        s.page_pool.check_integrity(_held(s))
+
+
+# -- bounded reservation -----------------------------------------------------------------------
+
+
+def test_default_reservation_is_bounded_for_a_request_without_max_tokens() -> None:
+    # A request without max_tokens gets the rest of the context (here 100k tokens); admission
+    # holds room for its prompt and kv_reserve_max_tokens output tokens only.
+    cfg = SchedulerConfig()
+    s = Scheduler(cfg, num_pages=1000, page_size=16)
+    a, b = _req("a", 40, max_tokens=100_000), _req("b", 40, max_tokens=100_000)
+    s.add(a)
+    s.add(b)
+    batch, _ = s.schedule()
+    assert [x.req for x in batch] == [a, b]
+    assert s._future_pages(a) == _cdiv(40 + cfg.kv_reserve_max_tokens, 16) - len(a.pages)
+    assert cfg.kv_reserve_max_tokens == 256
+
+
+# -- KV for transfers (PD decode) ----------------------------------------------------------------
+
+
+def test_reserved_transfer_holds_its_prompt_pages_and_counts_against_admission() -> None:
+    s = _sched(num_pages=11, page_size=4, budget=64, ratio=1.0)  # 10 usable pages
+    r = _req("r", 4, max_tokens=4)  # running: 1 page now, 1 more later
+    s.add(r)
+    _step(s)
+    t = _req("t", 8, max_tokens=8)  # 2 pages now, 2 more later
+    s.reserve_transfer(t)
+    assert t.status == Status.RESERVED and len(t.pages) == 2 and s.page_pool.num_free == 7
+    assert s.find("t") is None  # not scheduled until its KV arrives
+    s.check_integrity()
+    # 7 free - 3 promised to r and t < the 5 pages w may need: it waits (without counting t's
+    # future it would be admitted, and t could run dry once its KV arrives).
+    w = _req("w", 8, max_tokens=12)
+    s.add(w)
+    batch, _ = _step(s)
+    assert [x.req for x in batch] == [r] and list(s.waiting) == [w]
+    # A transfer that would take more than is uncommitted is refused, saying so, taking nothing.
+    free = s.page_pool.num_free
+    with pytest.raises(OutOfPages, match="KV cache full"):
+        s.reserve_transfer(_req("v", 8, max_tokens=16))
+    assert s.page_pool.num_free == free
+    s.check_integrity()
+
+
+def test_admitted_transfer_decodes_from_its_installed_prompt() -> None:
+    s = _sched(num_pages=11, page_size=4, budget=64)
+    t = _req("t", 8, max_tokens=4)
+    s.reserve_transfer(t)
+    pages = list(t.pages)
+    t.output_ids.append(9)  # the first token, sampled by prefill
+    s.admit_transferred(t)
+    batch, _ = s.schedule()
+    # Only the first token is computed here: the prompt's KV arrived in the reserved pages.
+    assert [(x.req, x.num_new_tokens) for x in batch] == [(t, 1)] and batch[0].samples
+    assert t.pages[:2] == pages and t.status == Status.RUNNING
+    s.finish(t, "stop")
+    assert s.page_pool.num_free == s.page_pool.num_usable
+    s.check_integrity()
+
+
+def test_transfer_with_a_state_slot_runs_at_once_keeping_its_slot() -> None:
+    cfg = SchedulerConfig(max_num_batched_tokens=64)
+    s = Scheduler(cfg, num_pages=41, page_size=4, num_state_slots=3)
+    t = _req("t", 8)
+    s.reserve_transfer(t)
+    slot = t.state_slot
+    assert slot and s.slot_pool.num_free == 1
+    t.output_ids.append(9)
+    s.admit_transferred(t)
+    assert s.running == [t] and t.state_slot == slot  # no second slot: the state is installed
+    batch, _ = s.schedule()
+    assert [x.req for x in batch] == [t] and s.slot_pool.num_free == 1
+    # Preempted requests waiting for a slot keep it promised: no transfer may take the last one.
+    s.waiting.append(_req("preempted", 4))
+    with pytest.raises(OutOfPages, match="state slot"):
+        s.reserve_transfer(_req("u", 4))
+    s.waiting.clear()
+    s.finish(t, "stop")
+    assert s.slot_pool.num_free == 2
+    s.check_integrity()
+
+
+def test_failed_reservation_finishes_and_returns_its_pages() -> None:
+    s = _sched(num_pages=11, page_size=4)
+    t = _req("t", 8)
+    s.reserve_transfer(t)
+    s.finish(t, "error")
+    assert t.status == Status.FINISHED and not s.reserved and s.page_pool.num_free == 10
+    s.check_integrity()
+
+
+def test_fenced_pages_stay_out_of_the_pool_until_lifted() -> None:
+    s = _sched(num_pages=5, page_size=4, ratio=0.0)  # 4 usable pages
+    t = _req("t", 8)
+    s.reserve_transfer(t)
+    fenced = list(t.pages)
+    fence = s.finish_fenced(t, "error")
+    assert t.status == Status.FINISHED and t.pages == [] and fence.pages == fenced
+    assert s.page_pool.num_free == 2
+    s.check_integrity()  # the fence is an owner
+    a = _req("a", 8)
+    s.add(a)
+    _step(s)
+    assert not set(a.pages) & set(fenced)  # the next request gets other pages
+    s.lift(fence)
+    assert not s.fences and s.page_pool.num_free == 2
+    s.check_integrity()
