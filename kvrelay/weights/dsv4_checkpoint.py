@@ -10,6 +10,10 @@ Layouts (shared/reference/deepseek-v4.md §6, §7; quant formats in `kvrelay.qua
   `.weight_scale` (e4m3 per 16) + `.weight_scale_2` + `.input_scale` (fp32 scalars).
 - HF transformers: `model.layers.N.self_attn.q_a_proj.weight`, fused `mlp.experts.gate_up_proj`;
   unquantized, or FP8 with `.weight_scale_inv` (and fused `gate_up_proj_scale_inv`).
+- transformers' save_pretrained: native per-layer names under `model.layers.N.` (`attn.wq_a`,
+  `ffn.experts.E.w1`, `hc_attn_fn`), with `model.embed_tokens.weight` and `head.weight`
+  (`dsv4_names.saved_to_native`); read as a native checkpoint once re-keyed (`dsv4_index`).
+  Its config.json is transformers' own (layer_types, mlp_layer_types, compress_rates, ...).
 
 The format is read per tensor from its companions and dtype, so mixed layouts (FP8 linears,
 NVFP4 layer experts, MXFP4 MTP experts) need no switch. Tensors are read and dequantized one at
@@ -23,7 +27,6 @@ import json
 import logging
 import os
 import re
-import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,6 +45,13 @@ from kvrelay.quant import (
     dequantize_nvfp4,
 )
 from kvrelay.weights import hf_dir
+from kvrelay.weights.dsv4_index import (
+    HF,
+    SAVED,
+    CheckpointError,
+    TensorInfo,
+    tensor_index,
+)
 from kvrelay.weights.dsv4_names import is_native_name, native_to_model
 from kvrelay.weights.dsv4_shard import shard
 
@@ -51,10 +61,6 @@ ARCHITECTURE = "DeepseekV4ForCausalLM"
 _NATIVE_V4_KEYS = ("compress_ratios", "hc_mult", "o_groups")
 _PACKED_DTYPES = ("I8", "U8")
 _NVFP4_LEAVES = ("weight_scale", "weight_scale_2", "input_scale")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match the model or is internally inconsistent."""
 
 
 # --- config ---------------------------------------------------------------------------------
@@ -89,11 +95,12 @@ def is_dsv4_dir(path: str) -> bool:
 
 
 def read_dsv4_config(
-    path: str, index: dict[str, TensorInfo] | None = None
+    path: str, indexed: tuple[str, dict[str, TensorInfo]] | None = None
 ) -> tuple[DeepseekV4Config, dict[str, Any]]:
     """(config, raw config dict). The top-level config.json wins; inference/config.json (native
     names) is the fallback. The quantization_config, if any, comes from whichever has it.
-    `index` (the tensor index, if the caller has read it) decides how experts are held."""
+    `indexed` (naming and tensor index, if the caller has read them) decides how experts are
+    held and whether the QAT roundings are simulated."""
     root, native = _config_dicts(path)
     chosen = root if root is not None and _is_dsv4_dict(root) else native
     if chosen is None or not _is_dsv4_dict(chosen):
@@ -103,9 +110,15 @@ def read_dsv4_config(
         if d is not None and "quantization_config" in d and "quantization_config" not in raw:
             raw["quantization_config"] = d["quantization_config"]
     cfg = DeepseekV4Config.from_dict(raw)
+    naming, index = tensor_index(path) if indexed is None else indexed
+    if naming == SAVED and "qat_simulation" not in raw:
+        # Written by transformers, whose DeepSeek-V4 forward does not simulate the reference's
+        # FP8 KV / FP4 index roundings: that forward is what such weights were made and checked
+        # with, so run as it does (a config.json may still ask for the simulation).
+        cfg = cfg.with_(qat_simulation=False)
     # NVFP4 and MXFP4 experts stay packed in memory (how a Flash-sized model fits): the loader
     # copies their bytes into `Fp4Experts` / `Mxfp4Experts` instead of dequantizing them.
-    fmt = detect_format(read_index(path) if index is None else index)
+    fmt = detect_format(index, naming)
     if fmt.experts in _PACKED_FORMATS:
         mtp = fmt.mtp_experts or fmt.experts
         cfg = cfg.with_(
@@ -115,40 +128,11 @@ def read_dsv4_config(
     return cfg, raw
 
 
-# --- tensor index -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    file: str
-    dtype: str  # safetensors dtype string: BF16, F32, F8_E4M3, F8_E8M0, I8, U8, I64, ...
-    shape: tuple[int, ...]
-
-
-def _header(file: str) -> dict[str, Any]:
-    with open(file, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n))
-
-
-def read_index(path: str) -> dict[str, TensorInfo]:
-    """Every tensor of the directory (single file or sharded with an index), from the headers."""
-    index: dict[str, TensorInfo] = {}
-    for file in hf_dir.safetensors_files(path):
-        for name, meta in _header(file).items():
-            if name == "__metadata__":
-                continue
-            if name in index:
-                raise CheckpointError(f"{name} is stored twice ({index[name].file}, {file})")
-            index[name] = TensorInfo(file, meta["dtype"], tuple(meta["shape"]))
-    return index
+# --- per-tensor format ------------------------------------------------------------------------
 
 
 def _natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
     return tuple((0, int(p)) if p.isdigit() else (1, p) for p in name.split("."))
-
-
-# --- per-tensor format ------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -191,7 +175,7 @@ def quant_of(name: str, index: dict[str, TensorInfo]) -> Quant:
 
 @dataclass(frozen=True)
 class CheckpointFormat:
-    naming: str  # native | hf
+    naming: str  # native | hf | transformers (save_pretrained)
     linears: str  # encoding of the attention projections: none | fp8_block
     experts: str  # encoding of the routed experts of layers.*: none | fp8_block | mxfp4 | nvfp4
     mtp_experts: str | None  # of the MTP block's routed experts; None without an MTP block
@@ -209,27 +193,39 @@ def _first(index: dict[str, TensorInfo], pattern: str) -> str | None:
     return hits[0] if hits else None
 
 
-def detect_format(index: dict[str, TensorInfo]) -> CheckpointFormat:
-    if "embed.weight" in index:
-        naming = "native"
-        attn, expert = (
-            r"layers\.\d+\.attn\.wq_a\.weight",
-            r"layers\.\d+\.ffn\.experts\.\d+\.w1\.weight",
-        )
-        mtp = r"mtp\.\d+\.ffn\.experts\.\d+\.w1\.weight"
-    elif "model.embed_tokens.weight" in index:
-        naming = "hf"
-        attn = r"model\.layers\.\d+\.self_attn\.q_a_proj\.weight"
-        expert = r"model\.layers\.\d+\.mlp\.experts\.gate_up_proj"
-        mtp = r"model\.mtp\.\d+\.mlp\.experts\.gate_up_proj"
-    else:
-        raise CheckpointError("neither embed.weight (native) nor model.embed_tokens.weight (HF)")
+# (attention projection, routed expert, MTP routed expert) name patterns of the index, whose
+# save_pretrained entries are keyed by native names already.
+_NATIVE_PATTERNS = (
+    r"layers\.\d+\.attn\.wq_a\.weight",
+    r"layers\.\d+\.ffn\.experts\.\d+\.w1\.weight",
+    r"mtp\.\d+\.ffn\.experts\.\d+\.w1\.weight",
+)
+_HF_PATTERNS = (
+    r"model\.layers\.\d+\.self_attn\.q_a_proj\.weight",
+    r"model\.layers\.\d+\.mlp\.experts\.gate_up_proj",
+    r"model\.mtp\.\d+\.mlp\.experts\.gate_up_proj",
+)
+
+
+def detect_format(index: dict[str, TensorInfo], naming: str) -> CheckpointFormat:
+    """How the attention projections and routed experts are encoded (`index` as `tensor_index`
+    returns it)."""
+    patterns = _HF_PATTERNS if naming == HF else _NATIVE_PATTERNS
     fmts = []
-    for pattern in (attn, expert, mtp):
+    for pattern in patterns:
         name = _first(index, pattern)
         fmts.append(None if name is None else quant_of(name, index).fmt)
-    if fmts[0] is None or fmts[1] is None:
-        raise CheckpointError("no attention projection or routed expert tensors found")
+    for what, pattern, fmt in zip(
+        ("attention projection", "routed expert"), patterns[:2], fmts[:2], strict=True
+    ):
+        if fmt is None:
+            stored = pattern.replace("\\d+", "N").replace("\\", "")
+            if naming == SAVED:
+                stored = "model." + stored
+            raise CheckpointError(
+                f"no {what} tensors found: a {naming}-named DeepSeek-V4 checkpoint has "
+                f"{stored} (unsupported layout, or not a DeepSeek-V4 checkpoint)"
+            )
     return CheckpointFormat(naming, fmts[0], fmts[1], fmts[2])
 
 
@@ -326,9 +322,9 @@ class Dsv4Checkpoint:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.index = read_index(path)
-        self.config, self.raw_config = read_dsv4_config(path, self.index)
-        self.format = detect_format(self.index)
+        self.naming, self.index = tensor_index(path)
+        self.config, self.raw_config = read_dsv4_config(path, (self.naming, self.index))
+        self.format = detect_format(self.index, self.naming)
         q = self.raw_config.get("quantization_config") or {}
         self.weight_block = tuple(q.get("weight_block_size") or DEFAULT_WEIGHT_BLOCK)
         self._quants = {n: quant_of(n, self.index) for n in self.index}
@@ -353,7 +349,7 @@ class Dsv4Checkpoint:
             raise KeyError(f"{name} is not in the checkpoint {self.path}")
         if info.file not in self._files:
             self._files[info.file] = safe_open(info.file, framework="pt")
-        return self._files[info.file].get_tensor(name)
+        return self._files[info.file].get_tensor(info.stored)
 
     def weight_names(self) -> list[str]:
         """Every stored tensor except quantization companions, file by file in natural order
@@ -390,12 +386,15 @@ class Dsv4Checkpoint:
         n_experts = self.config.n_routed_experts
         for name in self.weight_names():
             try:
-                target = native_to_model(name) if self.format.naming == "native" else name
+                target = name if self.naming == HF else native_to_model(name)
             except UnmappedNameError as exc:
                 if name.startswith("mtp."):
                     log.warning("checkpoint tensor skipped name=%s reason=%s", name, exc)
                     continue
-                raise CheckpointError(str(exc)) from None
+                stored = self.index[name].stored
+                raise CheckpointError(
+                    str(exc) if stored == name else f"{stored} (read as {name}): {exc}"
+                ) from None
             model_name = target.hf_name if isinstance(target, ExpertSlot) else target
             if model_name.rpartition(".")[0] in skip:
                 continue
@@ -422,7 +421,7 @@ class Dsv4Checkpoint:
         """Layer `block`'s routed experts in their stored FP4 form; `block` is a layer index or
         an MTP block prefix such as "mtp.0"."""
         prefix = f"layers.{block}" if isinstance(block, int) else block
-        if self.format.naming == "hf":
+        if self.naming == HF:
             return self._packed_hf(prefix)
         e = self.config.n_routed_experts
         first = f"{prefix}.ffn.experts.0.w1.weight"

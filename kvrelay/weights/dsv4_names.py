@@ -4,6 +4,14 @@ kvrelay's `DeepseekV4ForCausalLM` uses HF-transformers names (`kvrelay.quant.nam
 and keeps the MTP block, which HF does not have, at `model.mtp.K.*`. The native MTP block
 (`mtp.K.*`, reference §5, §6) is a decoder block (same names as `layers.N.*`) plus its own
 input norms/projections and hyper head; this module maps those too, in both directions.
+
+A third naming is what transformers' `save_pretrained` writes (5.24): it undoes its load-time
+renames (conversion_mapping.py, "deepseek_v4"), so per-layer tensors come back under their
+native names below `model.layers.N.` (`attn.wq_a`, `ffn.experts.E.w1`, `hc_attn_fn`, ...).
+Three tensors differ from native: the rules for embed/head/hc_head are anchored at the start of
+the name, which the `model.` prefix defeats for all but `head.weight`, so embeddings, final
+norm and hyper head keep their model names; and the load rule `.norm.` -> `.kv_norm.` undone
+turns the attention's `attn.kv_norm` into `attn.norm`. `saved_to_native` maps them back.
 """
 
 from __future__ import annotations
@@ -36,6 +44,39 @@ _MODEL_MTP = re.compile(r"model\.mtp\.(\d+)\.(.+)")
 # A stand-in layer index for mapping an MTP block's names through the decoder-layer mapping.
 _PROBE = "layers.0."
 _MODEL_PROBE = "model.layers.0."
+
+
+# transformers' save_pretrained: top-level tensors -> native names.
+_SAVED_TOP = {
+    "head.weight": "head.weight",
+    "model.embed_tokens.weight": "embed.weight",
+    "model.norm.weight": "norm.weight",
+    "model.hc_head.hc_fn": "hc_head_fn",
+    "model.hc_head.hc_base": "hc_head_base",
+    "model.hc_head.hc_scale": "hc_head_scale",
+}
+_SAVED_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# Attention/FFN tensors under native module names below `model.layers.N.` mark a save_pretrained
+# checkpoint (the HF-converted naming has `self_attn.` / `mlp.` there).
+SAVED_LAYER_PREFIX = re.compile(r"model\.layers\.\d+\.(attn|ffn)\.")
+
+
+def saved_to_native(name: str) -> str:
+    """A tensor name written by transformers' save_pretrained -> the DeepSeek-native name.
+
+    Raises `UnmappedNameError` for names outside `model.layers.N.*` and the six top-level
+    tensors (transformers saves no MTP block); whether the native name is a known tensor is
+    checked where it is mapped to the model (`native_to_model`).
+    """
+    if name in _SAVED_TOP:
+        return _SAVED_TOP[name]
+    m = _SAVED_LAYER.fullmatch(name)
+    if m is None:
+        raise UnmappedNameError(f"{name}: not a tensor name of transformers' DeepSeek-V4 save")
+    layer, rel = m.groups()
+    if rel.startswith("attn.norm."):  # attn.kv_norm, renamed by undoing `.norm.` -> `.kv_norm.`
+        rel = "attn.kv_norm." + rel[len("attn.norm.") :]
+    return f"layers.{layer}.{rel}"
 
 
 def is_native_name(name: str) -> bool:
