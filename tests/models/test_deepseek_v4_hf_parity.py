@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from dsv4_hf import hf_logits, load_hf
 from safetensors.torch import load_file, save_file
 
 from kvrelay.models.deepseek_v4 import (
@@ -52,23 +53,11 @@ def _write_checkpoint(path: Path, cfg: DeepseekV4Config, seed: int) -> None:
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _load_hf(path: Path) -> torch.nn.Module:
-    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation="eager"
-    )
-    return hf.eval()
-
-
 def _load_ours(path: Path) -> DeepseekV4ForCausalLM:
     cfg = DeepseekV4Config.from_dict(json.loads((path / "config.json").read_text()))
     model = DeepseekV4ForCausalLM(cfg.with_(qat_simulation=False)).eval()
     model.load_hf_state_dict(load_file(str(path / "model.safetensors")))
     return model
-
-
-def _hf_logits(hf: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(ids if ids.dim() == 2 else ids[None]).logits.squeeze(0)
 
 
 def _ids(shape: tuple[int, ...], seed: int = 1) -> torch.Tensor:
@@ -93,9 +82,9 @@ def _variant(base: Path, tmp: Path, **changes) -> Path:
 
 
 def test_logits_match_hf(ckpt: Path) -> None:
-    ours, hf = _load_ours(ckpt), _load_hf(ckpt)
+    ours, hf = _load_ours(ckpt), load_hf(ckpt)
     ids = _ids((2, T))
-    got, want = ours(ids), _hf_logits(hf, ids)
+    got, want = ours(ids), hf_logits(hf, ids)
     scale = want.abs().max().item()
     assert scale > 1.0
     assert (got - want).abs().max().item() <= 1e-4 * scale
@@ -129,10 +118,10 @@ def test_logits_match_hf_when_indexer_drops_entries(
     """With 16 index heads and this seed no exact tie sits at the top-8 boundary, so the
     choice is unambiguous and HF and kvrelay agree although most entries are dropped."""
     path = _variant(ckpt, tmp_path / "top8", index_topk=8)
-    ours, hf = _load_ours(path), _load_hf(path)
+    ours, hf = _load_ours(path), load_hf(path)
     rows = _capture_index_scores(monkeypatch)
     ids = _ids((T,))
-    got, want = ours(ids), _hf_logits(hf, ids)
+    got, want = ours(ids), hf_logits(hf, ids)
     assert rows and all(_boundary_ties(r, 8) == 0 for r in rows)
     assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
 
@@ -146,7 +135,7 @@ def test_topk_ties_hf_non_causal_ours_causal(
     cfg = preset("dsv4-tiny").with_(qat_simulation=False, index_n_heads=2, index_topk=8)
     path = tmp_path / "ties"
     _write_checkpoint(path, cfg, seed=3)
-    ours, hf = _load_ours(path), _load_hf(path)
+    ours, hf = _load_ours(path), load_hf(path)
     ids, cut = _ids((T,)), 120
 
     # -- HF: record scores and selections of the first CSA layer, full and prefix
@@ -157,7 +146,7 @@ def test_topk_ties_hf_non_causal_ours_causal(
         indexer.scorer.register_forward_hook(lambda m, a, out: seen.append(("s", out[0]))),
         indexer.register_forward_hook(lambda m, a, out: seen.append(("i", out[0]))),
     ]
-    full_hf, prefix_hf = _hf_logits(hf, ids), _hf_logits(hf, ids[:cut])
+    full_hf, prefix_hf = hf_logits(hf, ids), hf_logits(hf, ids[:cut])
     for h in hooks:
         h.remove()
     (_, s_full), (_, i_full), (_, _), (_, i_pre) = seen
@@ -196,7 +185,7 @@ def test_topk_ties_hf_non_causal_ours_causal(
 
 
 def test_hf_checkpoint_without_mtp_loads(ckpt: Path) -> None:
-    hf = _load_hf(ckpt)
+    hf = load_hf(ckpt)
     ours = _load_ours(ckpt)  # the file carries model.mtp.0.*, which HF ignored
     file = load_file(str(ckpt / "model.safetensors"))
     mtp = [k for k in file if k.startswith("model.mtp.0.")]
