@@ -19,6 +19,7 @@ from kvrelay.config import (
     env,
     env_help,
 )
+from kvrelay.models import registry
 from kvrelay.ops.cli import add_up_parser
 
 
@@ -34,8 +35,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--load-format",
         default=d.load_format,
         choices=["auto", "dummy"],
-        help="'dummy': random weights for a preset (llama-1b, smollm2-135m, qwen3-tiny, "
-        "dsv4-tiny, dsv4-mini, dsv4-flash)",
+        help=f"'dummy': random weights for a preset ({', '.join(registry.presets())})",
     )
     g.add_argument(
         "--tokenizer",

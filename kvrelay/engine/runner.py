@@ -19,6 +19,7 @@ from kvrelay.engine.scheduler import ScheduledRequest
 from kvrelay.layers.attention import make_backend
 from kvrelay.layers.ops import TORCH_OPS, triton_ops
 from kvrelay.layers.step_profile import StepProfiler
+from kvrelay.models import registry
 from kvrelay.models.llama import ForwardContext
 from kvrelay.weights.loader import ModelSource, build_model
 
@@ -48,12 +49,8 @@ def cache_budget(cfg: EngineConfig, device: torch.device, reserve: int) -> float
 
 
 def make_runner(cfg: EngineConfig, src: ModelSource):
-    """The runner for the model's family: dense (paged KV, CUDA graphs) or DeepSeek-V4."""
-    if src.config.architecture == "DeepseekV4ForCausalLM":
-        from kvrelay.engine.dsv4_runner import DeepseekV4Runner
-
-        return DeepseekV4Runner(cfg, src)
-    return ModelRunner(cfg, src)
+    """The runner the model's family names in the registry (dense: paged KV, CUDA graphs)."""
+    return registry.family(src.config.architecture).load("runner")(cfg, src)
 
 
 class ModelRunner:

@@ -1,8 +1,8 @@
 """Which chat format a model speaks: how a request becomes prompt ids, how output is parsed.
 
-DeepSeek-V4 models: kvrelay's own encoder (tools/dsv4_chat.py), DSML tool calls, and
-reasoning in thinking mode. Every other model: its HF chat template and JSON-style
-`<tool_call>` tool calls.
+The model family's registry entry names the format. DeepSeek-V4 ("dsv4"): kvrelay's own encoder
+(tools/dsv4_chat.py), DSML tool calls, and reasoning in thinking mode. "hf_template": the
+tokenizer's HF chat template and JSON-style `<tool_call>` tool calls.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 
+from kvrelay.models import registry
 from kvrelay.server.chat_output import ChatOutputParser
 from kvrelay.server.schemas import ChatCompletionRequest
 from kvrelay.server.tokenizer import apply_chat_template
@@ -24,8 +25,6 @@ from kvrelay.server.tools.tool_prompt import (
 )
 
 log = logging.getLogger("kvrelay.api")
-
-DSV4_ARCHITECTURE = "DeepseekV4ForCausalLM"
 
 
 def parses_tools(req: ChatCompletionRequest) -> bool:
@@ -50,7 +49,7 @@ def dsv4_thinking(req: ChatCompletionRequest) -> tuple[bool, str | None]:
 
 class ChatFormat:
     def __init__(self, architecture: str, tokenizer) -> None:
-        self.dsv4 = architecture == DSV4_ARCHITECTURE
+        self.dsv4 = registry.family(architecture).chat_format == registry.DSV4_CHAT
         self.tokenizer = tokenizer
         # Probed once: does the HF template show the model its tools and earlier calls?
         self.inject_tools = not self.dsv4 and not renders_tools(tokenizer)

@@ -128,6 +128,11 @@ def read_dsv4_config(
     return cfg, raw
 
 
+def read_config(path: str) -> DeepseekV4Config:
+    """The model config of a checkpoint directory (the registry's config reader)."""
+    return read_dsv4_config(path)[0]
+
+
 # --- per-tensor format ------------------------------------------------------------------------
 
 

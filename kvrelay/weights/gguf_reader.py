@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from kvrelay.config import ModelConfig
+from kvrelay.models.registry import gguf_architecture
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -23,7 +24,6 @@ _LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def _field(reader, key: str, default=None):
@@ -33,8 +33,7 @@ def _field(reader, key: str, default=None):
 
 def read_config(reader) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch not in _ARCHS:
-        raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {sorted(_ARCHS)})")
+    architecture = gguf_architecture(arch)
 
     def get(key, default=None):
         return _field(reader, f"{arch}.{key}", default)
@@ -44,7 +43,7 @@ def read_config(reader) -> ModelConfig:
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
-        architecture=_ARCHS[arch],
+        architecture=architecture,
         vocab_size=int(get("vocab_size", len(tokens))),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),

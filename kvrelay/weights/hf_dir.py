@@ -9,16 +9,16 @@ from collections.abc import Iterator
 import torch
 
 from kvrelay.config import ModelConfig
-
-_SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+from kvrelay.models import registry
 
 
 def read_config(path: str) -> ModelConfig:
     with open(os.path.join(path, "config.json")) as f:
         c = json.load(f)
     arch = (c.get("architectures") or ["LlamaForCausalLM"])[0]
-    if arch not in _SUPPORTED:
-        raise ValueError(f"unsupported architecture {arch!r} (supported: {', '.join(_SUPPORTED)})")
+    if arch not in registry.DENSE.architectures:  # other families have readers of their own
+        supported = ", ".join(registry.DENSE.architectures)
+        raise ValueError(f"unsupported architecture {arch!r} (supported: {supported})")
     heads = c["num_attention_heads"]
     eos = c.get("eos_token_id")
     rope = c.get("rope_scaling") or c.get("rope_parameters")

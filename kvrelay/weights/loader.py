@@ -13,10 +13,8 @@ import torch
 
 from kvrelay.config import ModelConfig
 from kvrelay.layers.rope import RotaryEmbedding
-from kvrelay.models.deepseek_v4.config import PRESETS as DSV4_PRESETS
+from kvrelay.models import registry
 from kvrelay.models.deepseek_v4.config import DeepseekV4Config
-from kvrelay.models.presets import PRESETS
-from kvrelay.models.registry import model_class
 from kvrelay.weights import dsv4_checkpoint, gguf_reader, hf_dir
 
 EMBEDDED = "smollm2"
@@ -66,24 +64,18 @@ def _resolve(model: str, load_format: str) -> ModelSource:
         cfg = gguf_reader.read_config(reader)
         name = EMBEDDED if model == EMBEDDED else os.path.basename(path)
         return ModelSource(name, "gguf", path, cfg, os.path.dirname(path), os.path.basename(path))
-    if dsv4_checkpoint.is_dsv4_dir(path):
-        return _resolve_dsv4_dir(path)
     if os.path.isdir(path):
-        return ModelSource(
-            os.path.basename(os.path.normpath(path)),
-            "hf",
-            path,
-            hf_dir.read_config(path),
-            path,
-            None,
-        )
+        fam = registry.family_for_dir(path)
+        cfg = fam.load("dir_config")(path)
+        if fam.adopts_borrowed_tokenizer:
+            return _resolve_borrowing_tokenizer(path, cfg)
+        return ModelSource(os.path.basename(os.path.normpath(path)), "hf", path, cfg, path, None)
     raise FileNotFoundError(
         f"--model {model!r} is neither {EMBEDDED!r}, a .gguf file, an HF directory, nor a dummy preset"
     )
 
 
-def _resolve_dsv4_dir(path: str) -> ModelSource:
-    cfg, _ = dsv4_checkpoint.read_dsv4_config(path)
+def _resolve_borrowing_tokenizer(path: str, cfg: DeepseekV4Config) -> ModelSource:
     name = os.path.basename(os.path.normpath(path))
     if any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
         return ModelSource(name, "hf", path, cfg, path, None)
@@ -116,16 +108,13 @@ def _gguf_config(path: str) -> ModelConfig:
 
 
 def _resolve_dummy(model: str) -> ModelSource:
-    if model not in PRESETS and model not in DSV4_PRESETS:
-        known = sorted(PRESETS) + sorted(DSV4_PRESETS)
-        raise ValueError(f"unknown dummy preset {model!r} (choose from {known})")
-    cfg = PRESETS.get(model) or DSV4_PRESETS[model]
+    fam, cfg = registry.preset(model)
     # Dummy models borrow the embedded tokenizer (their ids are random anyway), if it is installed.
     try:
         g = embedded_gguf()
     except FileNotFoundError:
         return ModelSource(model, "dummy", None, cfg, "", None)
-    if model in DSV4_PRESETS:
+    if fam.adopts_borrowed_tokenizer:
         # Served with the borrowed tokenizer, the model must cover its ids and stop on its EOS.
         tok = gguf_reader.read_config(gguf_reader.open_gguf(g))
         cfg = cfg.with_(
@@ -143,9 +132,15 @@ def build_model(
     seed: int = 0,
     max_positions: int = 1 << 17,
 ):
-    if isinstance(src.config, DeepseekV4Config):
-        return _build_dsv4(src, dtype, device, seed)
-    cls = model_class(src.config.architecture)
+    """The model of `src` on `device` with its weights (dummy ones for a preset)."""
+    build = registry.family(src.config.architecture).load("build")
+    return build(src, dtype, device, seed, max_positions)
+
+
+def build_dense(
+    src: ModelSource, dtype: torch.dtype, device: torch.device, seed: int, max_positions: int
+):
+    cls = registry.model_class(src.config.architecture)
     with torch.device("meta"):
         model = cls(src.config)
     model = model.to_empty(device=device)
@@ -165,7 +160,9 @@ def build_model(
     return model
 
 
-def _build_dsv4(src: ModelSource, dtype: torch.dtype, device: torch.device, seed: int):
+def build_dsv4(
+    src: ModelSource, dtype: torch.dtype, device: torch.device, seed: int, max_positions: int
+):
     from kvrelay.models.deepseek_v4 import DeepseekV4ForCausalLM, init_dummy_weights
 
     with torch.device(device):  # not meta: the RoPE tables are computed at construction
