@@ -165,3 +165,12 @@ def test_incomplete_or_unknown_tensors_fail_naming_them(saved, tmp_path) -> None
     _copy_without(path, tmp_path / "lost_norm", "layers.2.attn.norm.")
     with pytest.raises(CheckpointError, match=r"missing.*layers\.2\.self_attn\.kv_norm"):
         build_model(resolve(str(tmp_path / "lost_norm")), torch.float32, CPU)
+
+
+def test_config_json_may_ask_for_the_qat_simulation(saved, tmp_path) -> None:
+    path, _ = saved["fp32"]
+    _copy_without(path, tmp_path / "qat", "@")
+    raw = json.loads((tmp_path / "qat" / "config.json").read_text())
+    (tmp_path / "qat" / "config.json").write_text(json.dumps(raw | {"qat_simulation": True}))
+    assert resolve(str(tmp_path / "qat")).config.qat_simulation
+    assert not resolve(str(path)).config.qat_simulation
