@@ -218,16 +218,24 @@ def _fp4_halves(
         m = rmask[:, None] & (kb < K // 2)[None, :]
     b = tl.load(p_ptr + rows[:, None] * stride_pn + kb[None, :], mask=m, other=0).to(tl.int32)
     lo, hi = _e2m1_pair(b)
+    # if/else rather than early returns: the compiler still builds the code after a return
+    # in a constexpr branch, and the NVFP4 shapes do not fit an MXFP4 scale tile.
     if MX:
-        return (lo.to(tl.float32) * scm).to(DT), (hi.to(tl.float32) * scm).to(DT)
-    s8 = s.to(tl.float8e4nv, bitcast=True)
-    if DT == tl.float16:
-        sc = s8.to(tl.float16) * 128.0  # <= 448 * 128 < 65504: exact
-        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [R, G, 8]), [R, BKH])
-        return lo * sc, hi * sc
-    sc = s8.to(tl.float32) * (gs * 16384.0)
-    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [R, G, 8]), [R, BKH])
-    return (lo.to(tl.float32) * sc).to(DT), (hi.to(tl.float32) * sc).to(DT)
+        w_even = (lo.to(tl.float32) * scm).to(DT)
+        w_odd = (hi.to(tl.float32) * scm).to(DT)
+    else:
+        s8 = s.to(tl.float8e4nv, bitcast=True)
+        if DT == tl.float16:
+            sc = s8.to(tl.float16) * 128.0  # <= 448 * 128 < 65504: exact
+            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [R, G, 8]), [R, BKH])
+            w_even = lo * sc
+            w_odd = hi * sc
+        else:
+            sc = s8.to(tl.float32) * (gs * 16384.0)
+            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [R, G, 8]), [R, BKH])
+            w_even = (lo.to(tl.float32) * sc).to(DT)
+            w_odd = (hi.to(tl.float32) * sc).to(DT)
+    return w_even, w_odd
 
 
 @_jit
