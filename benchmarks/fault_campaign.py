@@ -38,6 +38,8 @@ from pathlib import Path
 
 import httpx
 
+from kvrelay.ops.procs import engine_pid
+
 FAULTS = (
     "kill_decode_engine",
     "kill_prefill_engine",
@@ -104,18 +106,6 @@ class Stack:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
-
-def engine_pid(server_pid: int) -> int:
-    """The engine a `kvrelay serve` process spawned (not multiprocessing's resource tracker)."""
-    for task in os.listdir(f"/proc/{server_pid}/task"):
-        with open(f"/proc/{server_pid}/task/{task}/children") as f:
-            for pid in f.read().split():
-                with open(f"/proc/{pid}/cmdline", "rb") as c:
-                    cmd = c.read().decode(errors="replace")
-                if "spawn_main" in cmd and "resource_tracker" not in cmd:
-                    return int(pid)
-    raise RuntimeError(f"no engine process under {server_pid}")
 
 
 # --- the load ---------------------------------------------------------------------------------------

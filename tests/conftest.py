@@ -12,6 +12,8 @@ import time
 import httpx
 import pytest
 
+from kvrelay.ops.procs import engine_pid
+
 
 def pytest_collection_modifyitems(config, items):
     import torch
@@ -91,14 +93,7 @@ class ServerProcess:
 
     def engine_pid(self) -> int:
         """The spawned engine child (not multiprocessing's resource tracker)."""
-        for task in os.listdir(f"/proc/{self.proc.pid}/task"):
-            with open(f"/proc/{self.proc.pid}/task/{task}/children") as f:
-                for pid in f.read().split():
-                    with open(f"/proc/{pid}/cmdline", "rb") as c:
-                        cmd = c.read().decode(errors="replace")
-                    if "spawn_main" in cmd and "resource_tracker" not in cmd:
-                        return int(pid)
-        raise RuntimeError("engine process not found")
+        return engine_pid(self.proc.pid)
 
     def close(self) -> None:
         if self.proc.poll() is None:
