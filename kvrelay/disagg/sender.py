@@ -6,7 +6,9 @@ right after the step that computed it) -> SENDING (the last chunk, the per-reque
 prompt and the first token sent, pages and slot freed here; waiting for decode's TransferDone) ->
 DONE; any state -> FAILED with a cause, a log line and an error output. A Failure from decode is
 answered with Released once nothing more will be sent or written for that transfer: decode keeps
-the pages it gave us fenced until then.
+the pages it gave us fenced until then. A decode address without a live peer is dialed (connect +
+handshake, each with its own deadline) on a thread of its own, so a slow or silent decode never
+stalls the engine; its transfers wait in BOOTSTRAPPING, under their bootstrap deadline.
 """
 
 from __future__ import annotations
@@ -104,6 +106,10 @@ class PrefillSender(TransferAgent):
         super().__init__(engine)
         self.peers: dict[str, Peer] = {}  # by decode address: authenticated connections
         self._handshakes: dict[Connection, Peer] = {}  # connections still shaking hands
+        # Dialing runs on its own threads, never the engine thread: decode address -> the rids
+        # waiting for it (engine thread only), and the dials' results for poll() to adopt.
+        self._waiting: dict[str, list[str]] = {}
+        self._dialed: queue.Queue[tuple[str, Peer | PeerRefused]] = queue.Queue()
         self.transfers: dict[str, PrefillTransfer] = {}  # by rid
         self.instance_at: dict[str, str] = {}  # decode address -> the instance last seen there
         self.page_groups = layer_groups(self.kinds, PAGE, self.cfg.layers_per_chunk)
@@ -129,7 +135,7 @@ class PrefillSender(TransferAgent):
 
     @property
     def in_flight(self) -> bool:
-        return bool(self.transfers) or not self.events.empty()
+        return bool(self.transfers) or not self.events.empty() or not self._dialed.empty()
 
     # -- peers ---------------------------------------------------------------------------------------
 
@@ -229,10 +235,10 @@ class PrefillSender(TransferAgent):
         )
         peer.ready.set()
 
-    def _peer(self, addr: str) -> Peer:
-        peer = self.peers.get(addr)
-        if peer is not None and not peer.conn.closed:
-            return peer
+    def _dial(self, addr: str) -> Peer:
+        """Connect to the decode at `addr` and shake hands. Blocking (connect and handshake each
+        up to connect_timeout_s), so it runs on a dial thread; the peer once it proved itself,
+        or PeerRefused with the cause."""
         try:
             conn = self.transport.connect(
                 addr, self._on_message, self._on_close, self.cfg.connect_timeout_s
@@ -262,14 +268,44 @@ class PrefillSender(TransferAgent):
         if peer.error:
             self._count_event(peer.event)
             raise PeerRefused(peer.cause, peer.error)
-        self.peers[addr] = peer
-        self._connected_peer(conn)
-        before = self.instance_at.get(addr)
-        if before is not None and before != peer.instance_id:
-            self._count_event("peer_restarted")  # its old sessions died with the old connection
-        self.instance_at[addr] = peer.instance_id
-        log.info("connected to decode addr=%s instance=%s", addr, peer.instance_id)
         return peer
+
+    def _start_dial(self, addr: str) -> None:
+        def run() -> None:
+            try:
+                result: Peer | PeerRefused = self._dial(addr)
+            except PeerRefused as e:
+                result = e
+            except Exception as e:  # a bug here must still end the transfers that wait
+                log.exception("dialing decode failed addr=%s", addr)
+                result = PeerRefused(P.Cause.CONNECT, f"dialing decode at {addr} failed: {e!r}")
+            self._dialed.put((addr, result))
+
+        threading.Thread(target=run, name=f"pd-dial-{addr}", daemon=True).start()
+
+    def _adopt_dials(self) -> None:
+        """Engine thread: dials that ended make their peers current and bootstrap the transfers
+        waiting for them, or fail those with the dial's cause."""
+        while True:
+            try:
+                addr, result = self._dialed.get_nowait()
+            except queue.Empty:
+                return
+            waiting = [self.transfers.get(rid) for rid in self._waiting.pop(addr, [])]
+            waiting = [t for t in waiting if t is not None and not t.sm.final]
+            if isinstance(result, PeerRefused):
+                for t in waiting:
+                    self._fail(t, result.cause, str(result), notify=False)
+                continue
+            self.peers[addr] = result
+            self._connected_peer(result.conn)
+            before = self.instance_at.get(addr)
+            if before is not None and before != result.instance_id:
+                self._count_event("peer_restarted")  # its old sessions died with the old connection
+            self.instance_at[addr] = result.instance_id
+            log.info("connected to decode addr=%s instance=%s", addr, result.instance_id)
+            for t in waiting:
+                self._bootstrap(t, result)
 
     # -- engine hooks --------------------------------------------------------------------------------
 
@@ -282,10 +318,20 @@ class PrefillSender(TransferAgent):
         )
         t.corrupt = self._fault_rng.random() < self.cfg.test_corrupt_p
         self.transfers[req.rid] = t
-        try:
-            t.peer = self._peer(pd.decode_addr)
-        except PeerRefused as e:
-            return self._fail(t, e.cause, str(e), notify=False)
+        addr = pd.decode_addr
+        peer = self.peers.get(addr)
+        if peer is not None and not peer.conn.closed:
+            return self._bootstrap(t, peer)
+        # No live peer: dial on a thread (the engine keeps stepping meanwhile); the transfer's
+        # bootstrap deadline runs from now.
+        if addr not in self._waiting:
+            self._waiting[addr] = []
+            self._start_dial(addr)
+        self._waiting[addr].append(req.rid)
+
+    def _bootstrap(self, t: PrefillTransfer, peer: Peer) -> None:
+        """Ask decode (a live, authenticated peer) to reserve KV for this transfer."""
+        t.peer, pd, req = peer, t.pd, t.req
         if pd.decode_instance and t.peer.instance_id != pd.decode_instance:
             return self._fail(
                 t,
@@ -331,6 +377,7 @@ class PrefillSender(TransferAgent):
         return True
 
     def poll(self) -> None:
+        self._adopt_dials()
         super().poll()
         # Ship the KV of the prompt chunks the last step computed, before the next step runs.
         for t in list(self.transfers.values()):

@@ -164,3 +164,33 @@ def test_a_bad_or_silent_decode_address_is_a_connect_failure(prefill):
     with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
         o = _prefill_alone(prefill, "b2", f"127.0.0.1:{silent.getsockname()[1]}")
     assert o.cause == P.Cause.CONNECT and "did not complete the handshake" in o.error, o.error
+
+
+def test_dialing_a_silent_decode_does_not_stall_the_engine():
+    """Connect and handshake run on a dial thread: while a PD request waits on a decode that
+    accepts and never answers (5 s handshake deadline), the same prefill engine serves a plain
+    request at full speed; the PD request then fails as a connect failure."""
+    p = engine("prefill", connect_timeout_s=5.0)
+    try:
+        with socket.create_server(("127.0.0.1", 0)) as silent:
+            addr = f"127.0.0.1:{silent.getsockname()[1]}"
+            t0 = time.monotonic()
+            p.add(AddRequest("pd", IDS, PARAMS, P.PDParams("prefill", "t-pd", addr)))
+            assert time.monotonic() - t0 < 1.0  # add() returned without waiting for the peer
+            p.add(AddRequest("plain", IDS, PARAMS, None))
+            done: dict[str, object] = {}
+            while "pd" not in done:
+                assert time.monotonic() - t0 < 30, done
+                p.poll_transfers()
+                for o in p.step().outputs if p.has_work else []:
+                    if o.finish_reason:
+                        done[o.rid] = (o, time.monotonic() - t0)
+                time.sleep(0.005)
+        plain, plain_s = done["plain"]
+        pd, pd_s = done["pd"]
+        assert plain.error is None and plain_s < 4.0, plain_s  # not behind the 5 s handshake
+        assert pd_s >= 4.5 and pd.cause == P.Cause.CONNECT, (pd_s, pd.error)
+        assert "did not complete the handshake" in pd.error
+        assert p.scheduler.page_pool.num_used == 0
+    finally:
+        p.agent.close()
