@@ -60,6 +60,9 @@ class ReproConfig:
     task_words: int = 16  # random words appended to each task
     system_prompt: str | None = None  # None: the tools and call format; "": no system message
     tool_result_len: int = 32  # words of each simulated tool result
+    # send `tools` with each request; off, the sessions still list them in their system prompt
+    # (and the server adds no tool prompt of its own: shorter prefills on a CPU)
+    send_tools: bool = True
     ignore_eos: bool = False
     near_tie: float = DEFAULT_NEAR_TIE
     num_examples: int = 5
@@ -77,16 +80,17 @@ class ReproConfig:
 
 
 def request_body(messages: list[dict], cfg: ReproConfig) -> dict:
-    return {
+    body = {
         "messages": [dict(m) for m in messages],
-        "tools": TOOLS,
-        "tool_choice": "auto",
         "max_tokens": cfg.max_tokens,
         "temperature": 0.0,
         "ignore_eos": cfg.ignore_eos,
         "logprobs": True,
         "top_logprobs": 2,
     }
+    if cfg.send_tools:
+        body |= {"tools": TOOLS, "tool_choice": "auto"}
+    return body
 
 
 def parse_choice(choice: dict) -> tuple[Output, Reply]:
@@ -354,6 +358,12 @@ def add_repro_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--ignore-eos", action="store_true", help="generate max_tokens every turn")
     p.add_argument(
+        "--no-tools-field",
+        action="store_true",
+        help="send no `tools` with the requests (the system prompt still lists them; the server "
+        "then adds no tool prompt of its own)",
+    )
+    p.add_argument(
         "--near-tie",
         type=float,
         default=d.near_tie,
@@ -389,6 +399,7 @@ def cmd_repro(a: argparse.Namespace) -> int:
         system_prompt=a.system_prompt,
         tool_result_len=a.tool_result_len,
         ignore_eos=a.ignore_eos,
+        send_tools=not a.no_tools_field,
         near_tie=a.near_tie,
         num_examples=a.num_examples,
         request_timeout_s=a.request_timeout,

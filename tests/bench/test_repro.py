@@ -208,12 +208,13 @@ def test_fault_flag_corruption_found_at_the_rate_p_predicts(fault_server, tmp_pa
 def test_no_false_positives_over_200_sessions(server, tmp_path):
     """Flag off: 200 sessions at concurrency 32 match a reference run at 8 exactly (different
     batch mixes). Kept cheap for a 2-core CPU: one turn each (prefill is the cost; multi-turn
-    replay is covered above), and a reference at 8 rather than 200 requests one by one."""
+    replay is covered above), no `tools` field (SmolLM2's server would add a tool prompt of a
+    few hundred tokens to every request), and a reference at 8 rather than 200 one by one."""
     out = tmp_path / "repro.json"
     rc = repro(
         f"--base-url={server.url}",
         *"--concurrency 32 --reference-concurrency 8 --num-sessions 200 --turns 1".split(),
-        *"--max-tokens 8 --task-words 0 --system-prompt=Agent.".split(),
+        *"--max-tokens 8 --task-words 0 --system-prompt=Agent. --no-tools-field".split(),
         *f"--ledger off --output-json {out}".split(),
     )
     result = json.loads(out.read_text())
