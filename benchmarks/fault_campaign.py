@@ -82,12 +82,22 @@ def pct(xs: list[float], q: float) -> float | None:
     return round(xs[min(int(q * len(xs)), len(xs) - 1)], 3)
 
 
-def summarize(kind: str, faults: int, outs: list[Outcome], idle: dict, **extra) -> dict:
+def fault_of(phase: str, o: Outcome) -> str | None:
+    """The injected fault a request met, if any (a phase can meet the stack's other flag too)."""
+    if "checksum" in o.cause:
+        return "corrupt"  # decode detected the damaged piece
+    if o.status == "cut":
+        return "disconnect"
+    return "delay" if phase == "delay" else None  # every transfer of the delay stack is late
+
+
+def summarize(phase: str, faults: Counter, outs: list[Outcome], idle: dict, **extra) -> dict:
     v = Counter(o.verdict for o in outs)
+    faults = faults + Counter(f for o in outs if (f := fault_of(phase, o)))
     errs = [o.end - o.start for o in outs if o.status == "error"]
     return {
-        "kind": kind,
-        "faults": faults,
+        "phase": phase,
+        "faults": dict(faults),
         "requests": len(outs),
         **{k: v[k] for k in VERDICTS},
         "time_to_error_p50_s": pct(errs, 0.5),
@@ -120,20 +130,20 @@ def servers(stack: Stack) -> dict[str, str]:
 
 def per_request_phase(kind: str, stack: Stack, url: str, args, oracle: dict) -> dict:
     """Load until --faults-per-kind faults of this kind or --phase-s seconds; then idle check."""
-    if kind == "corrupt":
-        is_fault = lambda o: "checksum" in o.cause  # noqa: E731 (decode detected the damage)
-    elif kind == "disconnect":
-        is_fault = lambda o: o.status == "cut"  # noqa: E731
-    else:
-        is_fault = lambda o: True  # noqa: E731 (every transfer of the delay stack is late)
+
+    def is_fault(o: Outcome) -> bool:
+        return fault_of(kind, o) == kind
+
     t0 = time.monotonic()
-    load = Load(url, args, oracle, cut_after=args.cut_after if kind == "disconnect" else 0)
+    cut = args.cut_after if kind == "disconnect" else 0
+    conc = args.delay_concurrency if kind == "delay" else 0  # delayed requests mostly wait
+    load = Load(url, args, oracle, cut_after=cut, concurrency=conc)
     while time.monotonic() - t0 < args.phase_s and load.count(is_fault) < args.faults_per_kind:
         time.sleep(0.5)
     outs = load.stop()
     idle = held_when_idle(servers(stack), args.idle_timeout)
     wall = round(time.monotonic() - t0, 1)
-    r = summarize(kind, sum(map(is_fault, outs)), outs, idle, wall_s=wall)
+    r = summarize(kind, Counter(), outs, idle, wall_s=wall)
     print(
         f"fault_campaign: {kind} faults={r['faults']} requests={r['requests']} "
         f"silent={r['silent']} hang={r['hang']} held={r['held_when_idle']}",
@@ -161,7 +171,7 @@ def kill_phase(kind: str, stack: Stack, url: str, args, oracle: dict) -> dict:
     t1 = time.monotonic()
     r = summarize(
         kind,
-        1,
+        Counter({kind: 1}),
         [o for o in outs if o.end >= t0],  # the fault's requests: those that ended after it
         idle,
         recovered=rec is not None,
@@ -197,6 +207,7 @@ def run(args: argparse.Namespace) -> dict:
             "python": platform.python_version(),
         },
         "prompts": len(PROMPTS),
+        "oracle": "a single `kvrelay serve` (role single), greedy, the same prompts and max_tokens",
         "startup_s": [],
         "kinds": [],
         "restarts": 0,
@@ -235,9 +246,12 @@ def run(args: argparse.Namespace) -> dict:
 
 def verdict(result: dict) -> dict:
     ks = result["kinds"]
-    tot = {k: sum(r[k] for r in ks) for k in ("faults", "requests", *VERDICTS)}
-    held = [r["kind"] for r in ks if r["held_when_idle"]]
-    unrecovered = [r["kind"] for r in ks if r.get("recovered") is False]
+    tot: dict = {k: sum(r[k] for r in ks) for k in ("requests", *VERDICTS)}
+    per_kind = sum((Counter(r["faults"]) for r in ks), Counter())
+    tot["faults"] = sum(per_kind.values())
+    result["faults_per_kind"] = dict(per_kind)
+    held = [r["phase"] for r in ks if r["held_when_idle"]]
+    unrecovered = [r["phase"] for r in ks if r.get("recovered") is False]
     result["totals"] = tot
     bad = tot["silent"] or tot["hang"] or tot["failed_unnamed"] or held or unrecovered
     if bad:
@@ -255,23 +269,26 @@ def verdict(result: dict) -> dict:
 
 
 def table(result: dict) -> str:
+    """One row per phase (kill phases of a kind merged): the NOTES table."""
     rows = [
-        "| kind | faults | requests | correct | failed (named) | silent | hangs | "
-        "time-to-error p50 / p99 | held idle | restarts |",
+        "| phase | faults injected | requests | correct | failed, named cause | silent | hangs "
+        "| time-to-error p50 / p99 | held idle | restarts |",
         "|" + "---|" * 10,
     ]
     by: dict[str, list[dict]] = {}
     for r in result["kinds"]:
-        by.setdefault(r["kind"], []).append(r)
-    for kind, rs in by.items():
-        s = {k: sum(r[k] for r in rs) for k in ("faults", "requests", *VERDICTS)}
+        by.setdefault(r["phase"], []).append(r)
+    for phase, rs in by.items():
+        s = {k: sum(r[k] for r in rs) for k in ("requests", *VERDICTS)}
+        faults = sum((Counter(r["faults"]) for r in rs), Counter())
+        f = ", ".join(f"{k} {n}" for k, n in faults.most_common())
         p50 = statistics.median([r["time_to_error_p50_s"] or 0 for r in rs])
         p99 = max(r["time_to_error_p99_s"] or 0 for r in rs)
         held = sum(bool(r["held_when_idle"]) for r in rs)
         rows.append(
-            f"| {kind} | {s['faults']} | {s['requests']} | {s['correct']} | "
-            f"{s['failed_named']} | {s['silent'] + s['failed_unnamed']} | {s['hang']} | "
-            f"{p50:.2f} / {p99:.2f} s | {held} | {sum(r.get('restarts', 0) for r in rs)} |"
+            f"| {phase} | {f} | {s['requests']} | {s['correct']} | {s['failed_named']} | "
+            f"{s['silent'] + s['failed_unnamed']} | {s['hang']} | {p50:.2f} / {p99:.2f} s | "
+            f"{held} | {sum(r.get('restarts', 0) for r in rs)} |"
         )
     return "\n".join(rows)
 
@@ -282,8 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     add("--phases", default=",".join(PER_REQUEST), help=f"per-request kinds: {PER_REQUEST}")
     add("--kill-kinds", default=",".join(DEFAULT_KILLS), help=f"process faults: {KILLS}")
     add("--kills", type=int, default=1, help="times each process fault is injected")
-    add("--faults-per-kind", type=int, default=350, help="a per-request phase ends at this many")
-    add("--phase-s", type=float, default=150.0, help="... or after this many seconds")
+    add("--faults-per-kind", type=int, default=400, help="a per-request phase ends at this many")
+    add("--phase-s", type=float, default=110.0, help="... or after this many seconds")
     add("--model", default="smollm2")
     add("--max-total-tokens", type=int, default=8192)
     add("--concurrency", type=int, default=8, help="load: requests in flight")
@@ -291,10 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     add("--request-bound", type=float, default=60.0, help="s: no answer by then is a hang")
     add("--router-timeout", type=float, default=40.0, help="the router's --request-timeout")
     add("--transfer-timeout", type=float, default=30.0, help="servers' --transfer-timeout")
-    add("--corrupt-p", type=float, default=0.6, help="corrupt: share of transfers damaged")
-    add("--delay-s", type=float, default=3.0, help="delay: seconds every KV piece is late")
-    add("--delay-timeout", type=float, default=1.5, help="delay: the servers' --transfer-timeout")
-    add("--cut-after", type=int, default=2, help="disconnect: chunks read before closing")
+    add("--corrupt-p", type=float, default=0.8, help="corrupt: share of transfers damaged")
+    add("--delay-s", type=float, default=2.0, help="delay: seconds every KV piece is late")
+    add("--delay-timeout", type=float, default=1.0, help="delay: the servers' --transfer-timeout")
+    add("--delay-concurrency", type=int, default=24, help="delay: requests in flight")
+    add("--cut-after", type=int, default=1, help="disconnect: chunks read before closing")
     add("--idle-timeout", type=float, default=20.0, help="s an idle server may take to free all")
     add("--silent-s", type=float, default=8.0, help="silent_decode: seconds decode is stopped")
     add("--settle-s", type=float, default=3.0, help="seconds of steady load before a kill")

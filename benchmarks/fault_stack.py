@@ -1,5 +1,5 @@
 """Helpers of the fault campaign (fault_campaign.py): the stack under test, the single-server
-oracle, one classified chat request, the concurrent load and the idle-gauge check."""
+oracle, one classified completion request, the concurrent load and the idle-gauge check."""
 
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 
 import httpx
 
-PROMPTS = [f"Count from {n} to {n + 5}." for n in range(0, 60, 5)] + [
-    "Name three colours.",
-    "What is the capital of France?",
-    "Write a haiku about rain.",
-    "Say hello in Spanish.",
+# Short completion prompts: prefill is the CPU's bottleneck, and a fault needs only a transfer.
+PROMPTS = [f"Count from {n} to {n + 5}:" for n in range(0, 60, 5)] + [
+    "Three colours:",
+    "The capital of France is",
+    "A haiku about rain:",
+    "Hello in Spanish:",
 ]
 EVENT_RE = re.compile(r"child=\w+ (exited|unhealthy|not healthy|healthy|stopped)|give_up")
 # Gauges that must read 0 on an idle server: KV pages, requests, PD transfers in any state.
@@ -182,14 +183,15 @@ def request(
     bound_s: float,
     cut_after: int = 0,
 ) -> Outcome:
-    """One greedy chat completion with per-token logprobs (the tokens the oracle compares).
-    cut_after > 0: streamed, and the client closes the stream after that many content chunks."""
+    """One greedy completion with per-token logprobs (the tokens the oracle compares: each
+    output id decoded alone, so equal lists mean equal ids up to tokens decoding alike).
+    cut_after > 0: streamed, and the client closes the stream after that many chunks with tokens."""
     body = {
         "model": model,
-        "messages": [{"role": "user", "content": prompt}],
+        "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
-        "logprobs": True,
+        "logprobs": 0,
         "stream": cut_after > 0,
     }
     t0 = time.monotonic()
@@ -199,15 +201,15 @@ def request(
 
     try:
         if cut_after <= 0:
-            r = client.post(url + "/v1/chat/completions", json=body)
+            r = client.post(url + "/v1/completions", json=body)
             if r.status_code != 200:
                 return done("error", _cause(r) or f"HTTP {r.status_code} without a cause")
             ch = r.json()["choices"][0]
-            toks = [c["token"] for c in (ch.get("logprobs") or {}).get("content") or []]
+            toks = list((ch.get("logprobs") or {}).get("tokens") or [])
             return done("ok", tokens=toks)
         toks: list[str] = []
         chunks = 0
-        with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        with client.stream("POST", url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 r.read()
                 return done("error", _cause(r) or f"HTTP {r.status_code} without a cause")
@@ -221,7 +223,7 @@ def request(
                 if "error" in ev:
                     return done("error", _cause(ev) or "error event without a cause")
                 ch = ev["choices"][0]
-                toks += [c["token"] for c in (ch.get("logprobs") or {}).get("content") or []]
+                toks += (ch.get("logprobs") or {}).get("tokens") or []
                 chunks += bool(ch.get("logprobs"))
                 if chunks >= cut_after:
                     return done("cut", tokens=toks)  # leaving the block closes the connection
@@ -248,14 +250,21 @@ class Load:
     """`concurrency` threads, each sending one request after another (prompts in turn) until
     stopped; every outcome judged against the oracle."""
 
-    def __init__(self, url: str, args: argparse.Namespace, oracle: dict, cut_after: int = 0):
+    def __init__(
+        self,
+        url: str,
+        args: argparse.Namespace,
+        oracle: dict,
+        cut_after: int = 0,
+        concurrency: int = 0,
+    ) -> None:
         self.url, self.args, self.oracle, self.cut_after = url, args, oracle, cut_after
         self.outcomes: list[Outcome] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._worker, args=(i,), daemon=True)
-            for i in range(args.concurrency)
+            for i in range(concurrency or args.concurrency)
         ]
         for t in self._threads:
             t.start()
