@@ -298,9 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     add = p.add_argument
     add("--phases", default=",".join(PER_REQUEST), help=f"per-request kinds: {PER_REQUEST}")
     add("--kill-kinds", default=",".join(DEFAULT_KILLS), help=f"process faults: {KILLS}")
-    add("--kills", type=int, default=1, help="times each process fault is injected")
-    add("--faults-per-kind", type=int, default=400, help="a per-request phase ends at this many")
-    add("--phase-s", type=float, default=110.0, help="... or after this many seconds")
+    add("--kills", type=int, default=2, help="times each process fault is injected")
+    add("--faults-per-kind", type=int, default=300, help="a per-request phase ends at this many")
+    add("--phase-s", type=float, default=90.0, help="... or after this many seconds")
     add("--model", default="smollm2")
     add("--max-total-tokens", type=int, default=8192)
     add("--concurrency", type=int, default=8, help="load: requests in flight")

@@ -241,6 +241,10 @@ def judge(o: Outcome, oracle: dict[str, list[str]]) -> Outcome:
         # A named cause is the server's; the client's own view (reset, no [DONE]) is not one.
         unnamed = not o.cause or o.cause.startswith(("client:", "stream ended", "HTTP "))
         o.verdict = "failed_unnamed" if unnamed else "failed_named"
+    elif o.status == "cut":
+        # What came before the cut must already be the oracle's beginning.
+        ok = o.tokens == oracle[o.prompt][: len(o.tokens)]
+        o.verdict = "cut" if ok else "silent"
     else:
         o.verdict = o.status
     return o
