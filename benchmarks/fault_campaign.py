@@ -36,7 +36,15 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from fault_stack import PROMPTS, Load, Outcome, Stack, held_when_idle, oracle_tokens  # same dir
+from fault_stack import (  # same directory
+    PROMPTS,
+    Load,
+    Outcome,
+    Stack,
+    held_when_idle,
+    oracle_tokens,
+    router_counters,
+)
 
 from kvrelay.ops.procs import engine_pid
 
@@ -82,18 +90,22 @@ def pct(xs: list[float], q: float) -> float | None:
     return round(xs[min(int(q * len(xs)), len(xs) - 1)], 3)
 
 
-def fault_of(phase: str, o: Outcome) -> str | None:
-    """The injected fault a request met, if any (a phase can meet the stack's other flag too)."""
-    if "checksum" in o.cause:
-        return "corrupt"  # decode detected the damaged piece
-    if o.status == "cut":
-        return "disconnect"
-    return "delay" if phase == "delay" else None  # every transfer of the delay stack is late
+def faults_met(phase: str, outs: list[Outcome], router: Counter) -> Counter:
+    """Injected faults the stack met: damaged and late transfers as the router counted their
+    failed attempts (a retried attempt is a fault too), disconnects as the client made them."""
+    f = Counter(
+        corrupt=router["checksum_mismatch"],
+        delay=router["transfer_timeout"] if phase == "delay" else 0,
+        disconnect=sum(o.status == "cut" for o in outs),
+    )
+    return +f  # drop the zeros
 
 
-def summarize(phase: str, faults: Counter, outs: list[Outcome], idle: dict, **extra) -> dict:
+def summarize(
+    phase: str, faults: Counter, outs: list[Outcome], idle: dict, router: Counter, **extra
+) -> dict:
     v = Counter(o.verdict for o in outs)
-    faults = faults + Counter(f for o in outs if (f := fault_of(phase, o)))
+    faults = faults + faults_met(phase, outs, router)
     errs = [o.end - o.start for o in outs if o.status == "error"]
     return {
         "phase": phase,
@@ -107,6 +119,7 @@ def summarize(phase: str, faults: Counter, outs: list[Outcome], idle: dict, **ex
         "silent_examples": [
             {"prompt": o.prompt, "tokens": o.tokens} for o in outs if o.verdict == "silent"
         ][:3],
+        "router": dict(router),  # its failed attempts by cause, retries, disconnects seen
         "held_when_idle": idle["held"],
         "idle_drain_s": idle["drain_s"],
         **extra,
@@ -116,7 +129,11 @@ def summarize(phase: str, faults: Counter, outs: list[Outcome], idle: dict, **ex
 def start(args, log_dir: str, extra: list[str], result: dict) -> tuple[Stack, str] | None:
     t0 = time.monotonic()
     stack = Stack(args, log_dir, extra)
-    m = stack.wait_for(r"kvrelay up ready: (http://\S+) ", args.start_timeout + 30)
+    try:
+        m = stack.wait_for(r"kvrelay up ready: (http://\S+) ", args.start_timeout + 30)
+    except BaseException:  # Ctrl-C while it starts: the stack must not outlive the campaign
+        stack.stop()
+        raise
     if m is None:
         stack.stop()
         return None
@@ -131,10 +148,12 @@ def servers(stack: Stack) -> dict[str, str]:
 def per_request_phase(kind: str, stack: Stack, url: str, args, oracle: dict) -> dict:
     """Load until --faults-per-kind faults of this kind or --phase-s seconds; then idle check."""
 
-    def is_fault(o: Outcome) -> bool:
-        return fault_of(kind, o) == kind
+    def is_fault(o: Outcome) -> bool:  # the phase's own fault, as the client sees it
+        if kind == "corrupt":
+            return "checksum" in o.cause
+        return o.status == "cut" if kind == "disconnect" else True
 
-    t0 = time.monotonic()
+    t0, r0 = time.monotonic(), router_counters(url)
     cut = args.cut_after if kind == "disconnect" else 0
     conc = args.delay_concurrency if kind == "delay" else 0  # delayed requests mostly wait
     load = Load(url, args, oracle, cut_after=cut, concurrency=conc)
@@ -143,7 +162,7 @@ def per_request_phase(kind: str, stack: Stack, url: str, args, oracle: dict) -> 
     outs = load.stop()
     idle = held_when_idle(servers(stack), args.idle_timeout)
     wall = round(time.monotonic() - t0, 1)
-    r = summarize(kind, Counter(), outs, idle, wall_s=wall)
+    r = summarize(kind, Counter(), outs, idle, router_counters(url) - r0, wall_s=wall)
     print(
         f"fault_campaign: {kind} faults={r['faults']} requests={r['requests']} "
         f"silent={r['silent']} hang={r['hang']} held={r['held_when_idle']}",
@@ -157,7 +176,7 @@ def kill_phase(kind: str, stack: Stack, url: str, args, oracle: dict) -> dict:
     load = Load(url, args, oracle)
     time.sleep(args.settle_s)  # steady load before the fault
     t0 = time.monotonic()
-    restarts0 = stack.restarts()
+    restarts0, r0 = stack.restarts(), router_counters(url)
     inject(kind, stack, args.silent_s)
     rec = None
     while time.monotonic() - t0 < args.recovery_timeout:
@@ -174,6 +193,7 @@ def kill_phase(kind: str, stack: Stack, url: str, args, oracle: dict) -> dict:
         Counter({kind: 1}),
         [o for o in outs if o.end >= t0],  # the fault's requests: those that ended after it
         idle,
+        router_counters(url) - r0,
         recovered=rec is not None,
         recovery_s=rec,
         restarts=stack.restarts() - restarts0,

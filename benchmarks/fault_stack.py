@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
@@ -330,3 +331,20 @@ def held_when_idle(urls: dict[str, str], timeout_s: float) -> dict:
         if not held or time.monotonic() - t0 > timeout_s:
             return {"held": held, "drain_s": round(time.monotonic() - t0, 1)}
         time.sleep(0.5)
+
+
+ROUTER_COUNTERS = re.compile(
+    r'^kvrelay_router_(failures_total\{cause="([^"]+)"\}|client_disconnects_total|retries_total)'
+    r" ([0-9.e+-]+)$",
+    re.M,
+)
+
+
+def router_counters(url: str) -> Counter:
+    """The router's failed attempts by cause (a retried attempt counts too: each is one fault the
+    stack detected), its retries and the client disconnects it saw."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    out: Counter = Counter()
+    for m in ROUTER_COUNTERS.finditer(text):
+        out[m[2] or m[1].removesuffix("_total")] = int(float(m[3]))
+    return out

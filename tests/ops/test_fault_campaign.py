@@ -24,6 +24,9 @@ def test_short_fault_campaign_no_silent_failure_nothing_held(tmp_path):
     corrupt, disconnect = result["kinds"]
     assert (corrupt["phase"], disconnect["phase"]) == ("corrupt", "disconnect")
     assert corrupt["faults"]["corrupt"] >= 12 and disconnect["faults"]["disconnect"] >= 12
+    # Decode detected every damaged piece (a retried attempt counts); the router saw the cuts.
+    assert corrupt["router"]["checksum_mismatch"] == corrupt["faults"]["corrupt"]
+    assert disconnect["router"].get("client_disconnects", 0) >= 1, disconnect["router"]
     # The undamaged requests came back, token-equal to the single server.
     assert corrupt["correct"] > 0, corrupt
     assert set(corrupt["causes"]) == {"checksum_mismatch"}, corrupt["causes"]
