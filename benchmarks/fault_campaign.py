@@ -240,6 +240,7 @@ def run(args: argparse.Namespace) -> dict:
     a_phases = [p for p in phases if p != "delay"]
     if a_phases or kills:
         extra = timeout + [f"--prefill-args=--test-corrupt-transfer {args.corrupt_p}"]
+        extra += [f"--decode-args={args.decode_args}"] if args.decode_args else []
         stacks.append(("A", extra, a_phases, kills))
     if "delay" in phases:
         extra = [f"--server-args=--transfer-timeout {args.delay_timeout}"]
@@ -339,6 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     add("--recovery-timeout", type=float, default=300.0, help="s a kill may take to recover")
     add("--start-timeout", type=float, default=600.0, help="s a stack may take to start")
     add("--cpu-threads", type=int, default=1, help="KVRELAY_CPU_THREADS of the servers")
+    add(
+        "--decode-args",
+        default="",
+        help="more `kvrelay serve` args for stack A's decode; the oracle's check: "
+        "'--test-fault-swap-token 0.5,0' must make the campaign report silent failures",
+    )
     add("--log-dir", default=None, help="the stacks' logs (default: a temporary directory)")
     add("--out", default=None, help="write the result JSON here")
     args = p.parse_args(argv)
