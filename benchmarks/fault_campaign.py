@@ -1,20 +1,24 @@
-"""Fault campaign: a `kvrelay up` PD stack under a steady chat load, faults injected one at a time;
-per fault: requests failed, seconds to recovery, and requests left hanging (must be 0: every
-request ends with a response or an error within --request-bound seconds).
+"""Fault campaign: a `kvrelay up` PD stack under concurrent chat load, hundreds of faults injected;
+every answer judged against a single server's greedy tokens. Per fault kind: faults, requests,
+correct, failed with a named cause, silent failures (200 with wrong tokens, or no [DONE]) and hangs
+(both must be 0), time-to-error p50/p99, and what each server still holds once idle (must be 0).
 
-Faults (real processes, real signals):
-  kill_decode_engine   SIGKILL the decode server's engine process (its HTTP process lives on)
-  kill_prefill_engine  SIGKILL the prefill server's engine process
-  kill_decode_server   SIGKILL the decode server's HTTP process (its engine dies with it)
-  silent_decode        SIGSTOP decode's engine for --silent-s: its KV listener accepts and says
-                       nothing, its steps stop; then SIGCONT
-  restart_prefill      peer restart: SIGTERM prefill; the launcher starts a new instance (new
-                       instance id and transfer identity) and decode must take it as its peer
+Per-request faults (test flags of the prefill server; one stack per flag):
+  corrupt     --test-corrupt-transfer P: a KV piece damaged after checksumming; decode must
+              detect it and the request fail with a named cause
+  delay       --test-delay-transfer D beyond a short --transfer-timeout: the transfer times out
+  disconnect  the client closes a streamed answer after --cut-after chunks; the stack must free it
+Process faults (real signals, the launcher restarts what died), --kills of each:
+  kill_prefill_server, kill_decode_server   SIGKILL the server's HTTP process (engine dies too)
+  kill_prefill_engine, kill_decode_engine   SIGKILL the engine process alone
+  silent_decode     SIGSTOP decode's engine for --silent-s, then SIGCONT (not in the default set)
+  restart_prefill   SIGTERM prefill: a new instance id that decode must take (not in the default)
 
     python benchmarks/fault_campaign.py --out benchmarks/results/fault_campaign_cpu.json
-Short (tests/ops/test_fault_campaign.py): --faults silent_decode,kill_decode_engine
+Short (tests/ops/test_fault_campaign.py): --phases corrupt,disconnect --kill-kinds kill_decode_engine
 
-Exit 0: every fault recovered and no request hung; 1 otherwise; 2: the stack did not start.
+Exit 0: no silent failure, no hang, nothing held idle, every kill recovered; 1 otherwise;
+2: a stack did not start.
 """
 
 from __future__ import annotations
@@ -24,325 +28,326 @@ import datetime
 import json
 import os
 import platform
-import queue
-import re
 import signal
-import subprocess
+import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+from fault_stack import (  # same directory
+    PROMPTS,
+    Load,
+    Outcome,
+    Stack,
+    held_when_idle,
+    oracle_tokens,
+    router_counters,
+)
 
 from kvrelay.ops.procs import engine_pid
 
-FAULTS = (
-    "kill_decode_engine",
-    "kill_prefill_engine",
+KILLS = (
+    "kill_prefill_server",
     "kill_decode_server",
+    "kill_prefill_engine",
+    "kill_decode_engine",
     "silent_decode",
     "restart_prefill",
 )
-EVENT_RE = re.compile(r"child=\w+ (exited|unhealthy|not healthy|healthy|stopped)|give_up")
+DEFAULT_KILLS = KILLS[:4]
+PER_REQUEST = ("corrupt", "disconnect", "delay")
+VERDICTS = ("correct", "failed_named", "failed_unnamed", "silent", "hang", "cut")
 
 
-class Stack:
-    """`kvrelay up` as a subprocess; its log lines, time-stamped, collected by a reader thread."""
-
-    def __init__(self, args: argparse.Namespace, log_dir: str) -> None:
-        argv = [sys.executable, "-m", "kvrelay.cli", "up", "--port", "0", "--log-dir", log_dir]
-        argv += ["--model", args.model, "--max-total-tokens", str(args.max_total_tokens)]
-        argv += ["--health-timeout", str(args.start_timeout)]
-        # The stack's own bounds, below the client's: a request must end inside them.
-        argv += [f"--router-args=--request-timeout {args.router_timeout}"]
-        argv += [f"--server-args=--transfer-timeout {args.transfer_timeout}"]
-        env = dict(os.environ, KVRELAY_CPU_THREADS=str(args.cpu_threads))
-        self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
-        self.lines: list[tuple[float, str]] = []
-        self._q: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append((time.monotonic(), line.rstrip("\n")))
-            self._q.put(line)
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match | None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                line = self._q.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            if m := re.search(pattern, line):
-                return m
-        return None
-
-    def pid_of(self, name: str) -> int:
-        return [
-            int(m[1]) for _, ln in self.lines if (m := re.search(rf"child={name} pid=(\d+)", ln))
-        ][-1]
-
-    def events(self, t0: float, t1: float) -> list[str]:
-        """The launcher's supervision lines between two instants, without their time stamps."""
-        return [
-            ln.split(" kvrelay.launcher ", 1)[-1]
-            for t, ln in self.lines
-            if t0 <= t < t1 and EVENT_RE.search(ln)
-        ]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-# --- the load ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class Outcome:
-    start: float
-    end: float
-    status: str  # ok | error | hang
-    detail: str = ""
-
-
-class Load:
-    """`concurrency` threads, each sending one chat completion after another until stopped."""
-
-    def __init__(
-        self, url: str, model: str, concurrency: int, max_tokens: int, bound_s: float
-    ) -> None:
-        self.url, self.model, self.max_tokens, self.bound_s = url, model, max_tokens, bound_s
-        self.outcomes: list[Outcome] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._worker, args=(i,), daemon=True)
-            for i in range(concurrency)
-        ]
-        for t in self._threads:
-            t.start()
-
-    def _one(self, client: httpx.Client, n: int) -> Outcome:
-        body = {
-            "model": self.model,
-            "messages": [{"role": "user", "content": f"Count from {n} to {n + 5}."}],
-            "max_tokens": self.max_tokens,
-            "temperature": 0,
-        }
-        t0 = time.monotonic()
-        try:
-            r = client.post(self.url + "/v1/chat/completions", json=body)
-        except httpx.TimeoutException as e:
-            return Outcome(
-                t0,
-                time.monotonic(),
-                "hang",
-                f"no answer within {self.bound_s:g}s ({type(e).__name__})",
-            )
-        except httpx.HTTPError as e:
-            return Outcome(t0, time.monotonic(), "error", f"{type(e).__name__}")
-        if r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length"):
-            return Outcome(t0, time.monotonic(), "ok")
-        try:
-            msg = r.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            msg = r.text
-        return Outcome(t0, time.monotonic(), "error", f"HTTP {r.status_code}: {msg[:100]}")
-
-    def _worker(self, i: int) -> None:
-        with httpx.Client(timeout=httpx.Timeout(self.bound_s, connect=10.0)) as client:
-            n = i * 1000
-            while not self._stop.is_set():
-                o = self._one(client, n)
-                n += 1
-                with self._lock:
-                    self.outcomes.append(o)
-                if o.status != "ok":
-                    time.sleep(0.2)  # a down stack answers at once: do not spin
-
-    def since(self, t: float) -> list[Outcome]:
-        with self._lock:
-            return [o for o in self.outcomes if o.start >= t]
-
-    def stop(self) -> None:
-        """Every request in flight ends (each within the bound) before this returns."""
-        self._stop.set()
-        for t in self._threads:
-            t.join()
-
-
-# --- faults -----------------------------------------------------------------------------------------
-
-
-def inject(fault: str, stack: Stack, silent_s: float) -> None:
-    if fault == "kill_decode_engine":
-        os.kill(engine_pid(stack.pid_of("decode")), signal.SIGKILL)
-    elif fault == "kill_prefill_engine":
-        os.kill(engine_pid(stack.pid_of("prefill")), signal.SIGKILL)
-    elif fault == "kill_decode_server":
+def inject(kind: str, stack: Stack, silent_s: float) -> None:
+    if kind == "kill_prefill_server":
+        os.kill(stack.pid_of("prefill"), signal.SIGKILL)
+    elif kind == "kill_decode_server":
         os.kill(stack.pid_of("decode"), signal.SIGKILL)
-    elif fault == "silent_decode":
+    elif kind == "kill_prefill_engine":
+        os.kill(engine_pid(stack.pid_of("prefill")), signal.SIGKILL)
+    elif kind == "kill_decode_engine":
+        os.kill(engine_pid(stack.pid_of("decode")), signal.SIGKILL)
+    elif kind == "silent_decode":
         pid = engine_pid(stack.pid_of("decode"))
         os.kill(pid, signal.SIGSTOP)
         try:
             time.sleep(silent_s)
         finally:
             os.kill(pid, signal.SIGCONT)
-    elif fault == "restart_prefill":
+    elif kind == "restart_prefill":
         os.kill(stack.pid_of("prefill"), signal.SIGTERM)
     else:
-        raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
+        raise ValueError(f"unknown fault {kind!r}; known: {', '.join(KILLS)}")
 
 
-def wait_recovery(load: Load, since: float, timeout_s: float) -> float | None:
-    """Seconds from `since` to the end of the first successful request started after it."""
-    deadline = since + timeout_s
-    while time.monotonic() < deadline:
-        ok = [o.end for o in load.since(since) if o.status == "ok"]
-        if ok:
-            return round(min(ok) - since, 2)
-        time.sleep(0.2)
-    return None
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return round(xs[min(int(q * len(xs)), len(xs) - 1)], 3)
 
 
-def summarize(fault: str, outs: list[Outcome], recovery_s: float | None, events: list[str]) -> dict:
-    count = Counter(o.status for o in outs)
-    causes = Counter(o.detail for o in outs if o.status != "ok")
+def faults_met(phase: str, outs: list[Outcome], router: Counter) -> Counter:
+    """Injected faults the stack met: damaged and late transfers as the router counted their
+    failed attempts (a retried attempt is a fault too), disconnects as the client made them."""
+    f = Counter(
+        corrupt=router["checksum_mismatch"],
+        delay=router["transfer_timeout"] if phase == "delay" else 0,
+        disconnect=sum(o.status == "cut" for o in outs),
+    )
+    return +f  # drop the zeros
+
+
+def summarize(
+    phase: str, faults: Counter, outs: list[Outcome], idle: dict, router: Counter, **extra
+) -> dict:
+    v = Counter(o.verdict for o in outs)
+    faults = faults + faults_met(phase, outs, router)
+    errs = [o.end - o.start for o in outs if o.status == "error"]
     return {
-        "fault": fault,
+        "phase": phase,
+        "faults": dict(faults),
         "requests": len(outs),
-        "ok": count["ok"],
-        "failed": count["error"],
-        "hanging": count["hang"],
-        "recovered": recovery_s is not None,
-        "recovery_s": recovery_s,
+        **{k: v[k] for k in VERDICTS},
+        "time_to_error_p50_s": pct(errs, 0.5),
+        "time_to_error_p99_s": pct(errs, 0.99),
         "max_latency_s": round(max((o.end - o.start for o in outs), default=0.0), 2),
-        "failure_causes": dict(causes.most_common(5)),
-        "launcher_events": events,
+        "causes": dict(Counter(o.cause for o in outs if o.status == "error").most_common(6)),
+        "silent_examples": [
+            {"prompt": o.prompt, "tokens": o.tokens} for o in outs if o.verdict == "silent"
+        ][:3],
+        "router": dict(router),  # its failed attempts by cause, retries, disconnects seen
+        "held_when_idle": idle["held"],
+        "idle_drain_s": idle["drain_s"],
+        **extra,
     }
 
 
+def start(args, log_dir: str, extra: list[str], result: dict) -> tuple[Stack, str] | None:
+    t0 = time.monotonic()
+    stack = Stack(args, log_dir, extra)
+    try:
+        m = stack.wait_for(r"kvrelay up ready: (http://\S+) ", args.start_timeout + 30)
+    except BaseException:  # Ctrl-C while it starts: the stack must not outlive the campaign
+        stack.stop()
+        raise
+    if m is None:
+        stack.stop()
+        return None
+    result["startup_s"].append(round(time.monotonic() - t0, 1))
+    return stack, m[1]
+
+
+def servers(stack: Stack) -> dict[str, str]:
+    return {n: stack.url_of(n) for n in ("prefill", "decode")}
+
+
+def per_request_phase(kind: str, stack: Stack, url: str, args, oracle: dict) -> dict:
+    """Load until --faults-per-kind faults of this kind or --phase-s seconds; then idle check."""
+
+    def is_fault(o: Outcome) -> bool:  # the phase's own fault, as the client sees it
+        if kind == "corrupt":
+            return "checksum" in o.cause
+        return o.status == "cut" if kind == "disconnect" else True
+
+    t0, r0 = time.monotonic(), router_counters(url)
+    cut = args.cut_after if kind == "disconnect" else 0
+    conc = args.delay_concurrency if kind == "delay" else 0  # delayed requests mostly wait
+    load = Load(url, args, oracle, cut_after=cut, concurrency=conc)
+    while time.monotonic() - t0 < args.phase_s and load.count(is_fault) < args.faults_per_kind:
+        time.sleep(0.5)
+    outs = load.stop()
+    idle = held_when_idle(servers(stack), args.idle_timeout)
+    wall = round(time.monotonic() - t0, 1)
+    r = summarize(kind, Counter(), outs, idle, router_counters(url) - r0, wall_s=wall)
+    print(
+        f"fault_campaign: {kind} faults={r['faults']} requests={r['requests']} "
+        f"silent={r['silent']} hang={r['hang']} held={r['held_when_idle']}",
+        flush=True,
+    )
+    return r
+
+
+def kill_phase(kind: str, stack: Stack, url: str, args, oracle: dict) -> dict:
+    """Under load: inject, wait until a correct answer comes after the fault, stop; idle check."""
+    load = Load(url, args, oracle)
+    time.sleep(args.settle_s)  # steady load before the fault
+    t0 = time.monotonic()
+    restarts0, r0 = stack.restarts(), router_counters(url)
+    inject(kind, stack, args.silent_s)
+    rec = None
+    while time.monotonic() - t0 < args.recovery_timeout:
+        ok = [o.end for o in load.since(t0) if o.verdict == "correct"]
+        if ok:
+            rec = round(min(ok) - t0, 2)
+            break
+        time.sleep(0.5)
+    outs = load.stop()
+    idle = held_when_idle(servers(stack), args.idle_timeout)
+    t1 = time.monotonic()
+    r = summarize(
+        kind,
+        Counter({kind: 1}),
+        [o for o in outs if o.end >= t0],  # the fault's requests: those that ended after it
+        idle,
+        router_counters(url) - r0,
+        recovered=rec is not None,
+        recovery_s=rec,
+        restarts=stack.restarts() - restarts0,
+        launcher_events=stack.events(t0, t1),
+    )
+    print(
+        f"fault_campaign: {kind} recovery_s={rec} silent={r['silent']} hang={r['hang']}", flush=True
+    )
+    return r
+
+
 def run(args: argparse.Namespace) -> dict:
-    faults = [f for f in args.faults.split(",") if f]
-    for f in faults:
-        if f not in FAULTS:
-            raise SystemExit(f"unknown fault {f!r}; known: {', '.join(FAULTS)}")
+    phases = [p for p in args.phases.split(",") if p]
+    kills = [k for k in args.kill_kinds.split(",") if k]
+    for k in kills:
+        if k not in KILLS:
+            raise SystemExit(f"unknown kill {k!r}; known: {', '.join(KILLS)}")
+    for p in phases:
+        if p not in PER_REQUEST:
+            raise SystemExit(f"unknown phase {p!r}; known: {', '.join(PER_REQUEST)}")
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvrelay-faults-")
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
-    stack = Stack(args, log_dir)
     result: dict = {
-        "schema": "kvrelay-fault-campaign/1",
+        "schema": "kvrelay-fault-campaign/2",
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "config": vars(args) | {"faults": faults, "log_dir": log_dir},
+        "config": vars(args) | {"log_dir": log_dir},
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
         },
-        "faults": [],
+        "prompts": len(PROMPTS),
+        "oracle": "a single `kvrelay serve` (role single), greedy, the same prompts and max_tokens",
+        "startup_s": [],
+        "kinds": [],
+        "restarts": 0,
     }
-    load = None
-    try:
-        m = stack.wait_for(r"kvrelay up ready: (http://\S+) ", args.start_timeout + 30)
-        if m is None:
-            result.update(verdict="the stack did not start", exit_code=2)
+    oracle = oracle_tokens(args, f"{log_dir}/oracle.log")
+    result["oracle_s"] = round(time.monotonic() - t_start, 1)
+    timeout = [f"--server-args=--transfer-timeout {args.transfer_timeout}"]
+    # Stack A: corrupted transfers at rate P (the rest must be correct), disconnects, kills.
+    stacks = []
+    a_phases = [p for p in phases if p != "delay"]
+    if a_phases or kills:
+        extra = timeout + [f"--prefill-args=--test-corrupt-transfer {args.corrupt_p}"]
+        extra += [f"--decode-args={args.decode_args}"] if args.decode_args else []
+        stacks.append(("A", extra, a_phases, kills))
+    if "delay" in phases:
+        extra = [f"--server-args=--transfer-timeout {args.delay_timeout}"]
+        extra += [f"--prefill-args=--test-delay-transfer {args.delay_s}"]
+        stacks.append(("B", extra, ["delay"], []))
+    for name, extra, pr_phases, kill_kinds in stacks:
+        started = start(args, f"{log_dir}/stack{name}", extra, result)
+        if started is None:
+            result.update(verdict=f"stack {name} did not start", exit_code=2)
             return result
-        url = m[1]
-        result["startup_s"] = round(time.monotonic() - t_start, 1)
-        load = Load(url, args.model, args.concurrency, args.max_tokens, args.request_bound)
-        if wait_recovery(load, time.monotonic(), args.recovery_timeout) is None:
-            result.update(verdict="no request succeeded before the first fault", exit_code=2)
-            return result
-        marks: list[tuple[str, float, float | None]] = []
-        for fault in faults:
-            time.sleep(args.settle_s)  # steady load before the fault
-            t0 = time.monotonic()
-            print(f"fault_campaign: inject {fault}", flush=True)
-            inject(fault, stack, args.silent_s)
-            rec = wait_recovery(load, t0, args.recovery_timeout)
-            print(f"fault_campaign: {fault} recovery_s={rec}", flush=True)
-            marks.append((fault, t0, rec))
-            if rec is None:
-                break  # the stack did not come back: later faults would measure nothing
-        time.sleep(args.settle_s)
-        load.stop()
-        t_end = time.monotonic() + 1
-        for i, (fault, t0, rec) in enumerate(marks):
-            t1 = marks[i + 1][1] if i + 1 < len(marks) else t_end
-            # By the time a request ended: one in flight when the next fault struck is its.
-            outs = [o for o in load.outcomes if t0 <= o.end < t1]
-            result["faults"].append(summarize(fault, outs, rec, stack.events(t0, t1)))
-    finally:
-        if load is not None:
-            load.stop()
-        stack.stop()
-    hung = sum(f["hanging"] for f in result["faults"])
-    unrecovered = [f["fault"] for f in result["faults"] if not f["recovered"]]
-    missing = len(result["faults"]) < len(faults)
-    result["requests"] = len(load.outcomes) if load else 0
-    result["hanging"] = hung
-    if hung or unrecovered or missing:
-        result.update(verdict=f"hanging requests {hung}, not recovered {unrecovered}", exit_code=1)
+        stack, url = started
+        try:
+            for kind in pr_phases:
+                result["kinds"].append(per_request_phase(kind, stack, url, args, oracle))
+            for kind in kill_kinds:
+                for _ in range(args.kills):
+                    result["kinds"].append(kill_phase(kind, stack, url, args, oracle))
+            result["restarts"] += stack.restarts()
+        finally:
+            stack.stop()
+    result["wall_s"] = round(time.monotonic() - t_start, 1)
+    return verdict(result)
+
+
+def verdict(result: dict) -> dict:
+    ks = result["kinds"]
+    tot: dict = {k: sum(r[k] for r in ks) for k in ("requests", *VERDICTS)}
+    per_kind = sum((Counter(r["faults"]) for r in ks), Counter())
+    tot["faults"] = sum(per_kind.values())
+    result["faults_per_kind"] = dict(per_kind)
+    held = [r["phase"] for r in ks if r["held_when_idle"]]
+    unrecovered = [r["phase"] for r in ks if r.get("recovered") is False]
+    result["totals"] = tot
+    bad = tot["silent"] or tot["hang"] or tot["failed_unnamed"] or held or unrecovered
+    if bad:
+        result.update(
+            verdict=f"silent {tot['silent']}, hangs {tot['hang']}, unnamed failures "
+            f"{tot['failed_unnamed']}, held idle after {held}, not recovered {unrecovered}",
+            exit_code=1,
+        )
     else:
-        result.update(verdict="every fault recovered, no request hung", exit_code=0)
+        result.update(
+            verdict=f"{tot['faults']} faults: no silent failure, no hang, nothing held idle",
+            exit_code=0,
+        )
     return result
+
+
+def table(result: dict) -> str:
+    """One row per phase (kill phases of a kind merged): the NOTES table."""
+    rows = [
+        "| phase | faults injected | requests | correct | failed, named cause | silent | hangs "
+        "| time-to-error p50 / p99 | held idle | restarts |",
+        "|" + "---|" * 10,
+    ]
+    by: dict[str, list[dict]] = {}
+    for r in result["kinds"]:
+        by.setdefault(r["phase"], []).append(r)
+    for phase, rs in by.items():
+        s = {k: sum(r[k] for r in rs) for k in ("requests", *VERDICTS)}
+        faults = sum((Counter(r["faults"]) for r in rs), Counter())
+        f = ", ".join(f"{k} {n}" for k, n in faults.most_common())
+        p50 = statistics.median([r["time_to_error_p50_s"] or 0 for r in rs])
+        p99 = max(r["time_to_error_p99_s"] or 0 for r in rs)
+        held = sum(bool(r["held_when_idle"]) for r in rs)
+        rows.append(
+            f"| {phase} | {f} | {s['requests']} | {s['correct']} | {s['failed_named']} | "
+            f"{s['silent'] + s['failed_unnamed']} | {s['hang']} | {p50:.2f} / {p99:.2f} s | "
+            f"{held} | {sum(r.get('restarts', 0) for r in rs)} |"
+        )
+    return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--faults", default=",".join(FAULTS), help=f"comma-separated, in order: {', '.join(FAULTS)}"
+    add = p.add_argument
+    add("--phases", default=",".join(PER_REQUEST), help=f"per-request kinds: {PER_REQUEST}")
+    add("--kill-kinds", default=",".join(DEFAULT_KILLS), help=f"process faults: {KILLS}")
+    add("--kills", type=int, default=2, help="times each process fault is injected")
+    add("--faults-per-kind", type=int, default=300, help="a per-request phase ends at this many")
+    add("--phase-s", type=float, default=90.0, help="... or after this many seconds")
+    add("--model", default="smollm2")
+    add("--max-total-tokens", type=int, default=8192)
+    add("--concurrency", type=int, default=8, help="load: requests in flight")
+    add("--max-tokens", type=int, default=8, help="load: max_tokens of each request")
+    add("--request-bound", type=float, default=60.0, help="s: no answer by then is a hang")
+    add("--router-timeout", type=float, default=40.0, help="the router's --request-timeout")
+    add("--transfer-timeout", type=float, default=30.0, help="servers' --transfer-timeout")
+    add("--corrupt-p", type=float, default=0.8, help="corrupt: share of transfers damaged")
+    add("--delay-s", type=float, default=2.0, help="delay: seconds every KV piece is late")
+    add("--delay-timeout", type=float, default=1.0, help="delay: the servers' --transfer-timeout")
+    add("--delay-concurrency", type=int, default=24, help="delay: requests in flight")
+    add("--cut-after", type=int, default=1, help="disconnect: chunks read before closing")
+    add("--idle-timeout", type=float, default=20.0, help="s an idle server may take to free all")
+    add("--silent-s", type=float, default=8.0, help="silent_decode: seconds decode is stopped")
+    add("--settle-s", type=float, default=3.0, help="seconds of steady load before a kill")
+    add("--recovery-timeout", type=float, default=300.0, help="s a kill may take to recover")
+    add("--start-timeout", type=float, default=600.0, help="s a stack may take to start")
+    add("--cpu-threads", type=int, default=1, help="KVRELAY_CPU_THREADS of the servers")
+    add(
+        "--decode-args",
+        default="",
+        help="more `kvrelay serve` args for stack A's decode; the oracle's check: "
+        "'--test-fault-swap-token 0.5,0' must make the campaign report silent failures",
     )
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--max-total-tokens", type=int, default=8192)
-    p.add_argument("--concurrency", type=int, default=3, help="load: requests in flight")
-    p.add_argument("--max-tokens", type=int, default=8, help="load: max_tokens of each request")
-    p.add_argument(
-        "--request-bound",
-        type=float,
-        default=60.0,
-        help="seconds: a request without an answer by then hangs",
-    )
-    p.add_argument(
-        "--router-timeout", type=float, default=40.0, help="the router's --request-timeout"
-    )
-    p.add_argument(
-        "--transfer-timeout", type=float, default=30.0, help="the servers' --transfer-timeout"
-    )
-    p.add_argument(
-        "--silent-s",
-        type=float,
-        default=8.0,
-        help="silent_decode: seconds decode's engine is stopped",
-    )
-    p.add_argument(
-        "--settle-s", type=float, default=3.0, help="seconds of steady load before each fault"
-    )
-    p.add_argument(
-        "--recovery-timeout", type=float, default=300.0, help="seconds a fault may take to recover"
-    )
-    p.add_argument(
-        "--start-timeout", type=float, default=600.0, help="seconds the stack may take to start"
-    )
-    p.add_argument("--cpu-threads", type=int, default=1, help="KVRELAY_CPU_THREADS of the servers")
-    p.add_argument(
-        "--log-dir", default=None, help="the stack's logs (default: a temporary directory)"
-    )
-    p.add_argument("--out", default=None, help="write the result JSON here")
+    add("--log-dir", default=None, help="the stacks' logs (default: a temporary directory)")
+    add("--out", default=None, help="write the result JSON here")
     args = p.parse_args(argv)
     result = run(args)
     text = json.dumps(result, indent=2)
@@ -350,12 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")
     print(text)
-    for f in result["faults"]:
-        print(
-            f"{f['fault']:>20}: requests {f['requests']}, failed {f['failed']}, hanging {f['hanging']}, "
-            f"recovery {f['recovery_s']}s",
-            file=sys.stderr,
-        )
+    print(table(result), file=sys.stderr)
     print(f"verdict: {result['verdict']}", file=sys.stderr)
     return result["exit_code"]
 
