@@ -21,7 +21,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvrelay.server.generation import Delta, Generation
-from kvrelay.server.schemas import Int64, Positive, TokenId
+from kvrelay.server.schemas import Int64, Positive, TokenId, stop_list
 
 SGLANG_MAX_NEW_TOKENS = 128  # SGLang's default
 
@@ -51,10 +51,7 @@ class SGLangSamplingParams(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):
-        stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > 16 or any(not s for s in stops):
-            raise ValueError("at most 16 non-empty stop strings")
-        return stops
+        return stop_list(v)
 
 
 class GenerateRequest(BaseModel):

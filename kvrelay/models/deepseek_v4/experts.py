@@ -58,6 +58,21 @@ class QuantizedExperts(Experts):
 
     fp4_format = ""
 
+    def _start(self, config: DeepseekV4Config, dtype: torch.dtype, block: int) -> tuple:
+        """The shared part of the constructors: (experts, hidden, intermediate)."""
+        nn.Module.__init__(self)
+        e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        if h % block or i % block:
+            raise ValueError(
+                f"{self.fp4_format} experts need hidden and intermediate sizes divisible by {block}"
+            )
+        self.limit, self.dtype = config.swiglu_limit, dtype
+        return e, h, i
+
+    @staticmethod
+    def _random_codes(packed: torch.Tensor, generator: torch.Generator) -> None:
+        packed.copy_(torch.randint(0, 256, packed.shape, generator=generator, device=packed.device))
+
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every expert dequantized: (gate_up [E, 2I, hidden], down [E, hidden, I]), the
         layout of `Experts` (tests and conversions; the forward dequantizes per expert)."""
@@ -72,11 +87,7 @@ class Fp4Experts(QuantizedExperts):
     fp4_format = "nvfp4"
 
     def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32) -> None:
-        nn.Module.__init__(self)
-        e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
-        if h % NVFP4_BLOCK or i % NVFP4_BLOCK:
-            raise ValueError("NVFP4 experts need hidden and intermediate sizes divisible by 16")
-        self.limit, self.dtype = config.swiglu_limit, dtype
+        e, h, i = self._start(config, dtype, NVFP4_BLOCK)
 
         def buf(name: str, *shape: int, dt: torch.dtype) -> None:
             self.register_buffer(name, torch.zeros(*shape, dtype=dt))
@@ -111,9 +122,7 @@ class Fp4Experts(QuantizedExperts):
             (self.gate_up_packed, self.gate_up_scale, self.gate_up_scale_2),
             (self.down_packed, self.down_scale, self.down_scale_2),
         ):
-            packed.copy_(
-                torch.randint(0, 256, packed.shape, generator=generator, device=packed.device)
-            )
+            self._random_codes(packed, generator)
             scale.fill_(1.0)
             scale_2.fill_(1.0 / (E2M1_RMS * (2 * packed.shape[-1]) ** 0.5))
 
@@ -125,11 +134,7 @@ class Mxfp4Experts(QuantizedExperts):
     fp4_format = "mxfp4"
 
     def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32) -> None:
-        nn.Module.__init__(self)
-        e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
-        if h % MXFP4_BLOCK or i % MXFP4_BLOCK:
-            raise ValueError("MXFP4 experts need hidden and intermediate sizes divisible by 32")
-        self.limit, self.dtype = config.swiglu_limit, dtype
+        e, h, i = self._start(config, dtype, MXFP4_BLOCK)
         u8 = torch.uint8
         self.register_buffer("gate_up_packed", torch.zeros(e, 2 * i, h // 2, dtype=u8))
         self.register_buffer("gate_up_scale", torch.zeros(e, 2 * i, h // MXFP4_BLOCK, dtype=u8))
@@ -149,9 +154,7 @@ class Mxfp4Experts(QuantizedExperts):
             (self.gate_up_packed, self.gate_up_scale),
             (self.down_packed, self.down_scale),
         ):
-            packed.copy_(
-                torch.randint(0, 256, packed.shape, generator=generator, device=packed.device)
-            )
+            self._random_codes(packed, generator)
             exponent = round(-math.log2(E2M1_RMS * (2 * packed.shape[-1]) ** 0.5))
             scale.fill_(127 + exponent)
 
