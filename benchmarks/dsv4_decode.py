@@ -77,6 +77,7 @@ def make_engine(a: argparse.Namespace, backend: str) -> Engine:
         device=a.device,
         dtype=a.dtype,
         attention_backend=backend,
+        linear_weights=getattr(a, "linear_weights", "auto"),
         max_model_len=max(a.contexts) + 64,
         cache=CacheConfig(memory_fraction=0.9),
         scheduler=SchedulerConfig(
@@ -164,6 +165,7 @@ def main() -> None:
     p.add_argument("--reference-batches", default="1,8")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--prefill", type=int, default=4096)
+    p.add_argument("--linear-weights", default="auto", choices=["auto", "fp8"])
     p.add_argument("--out", default=None)
     a = p.parse_args()
     a.batches = [int(x) for x in a.batches.split(",")]
@@ -196,6 +198,7 @@ def main() -> None:
     out = {
         "model": a.model,
         "dtype": a.dtype,
+        "linear_weights": a.linear_weights,
         "copy_bandwidth_Bps": bw,
         "weights": wb,
         "decode": rows,

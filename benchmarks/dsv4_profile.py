@@ -134,6 +134,7 @@ def main() -> None:
     p.add_argument("--batches", default="1,64")
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--linear-weights", default="auto", choices=["auto", "fp8"])
     p.add_argument("--out", default=None)
     a = p.parse_args()
     a.batches = [int(x) for x in a.batches.split(",")]

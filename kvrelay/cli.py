@@ -52,6 +52,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="auto: triton on GPU, torch elsewhere; reference: DeepSeek-V4's per-sequence "
         "oracle path (dense models: torch)",
     )
+    g.add_argument(
+        "--linear-weights",
+        default=d.linear_weights,
+        choices=["auto", "fp8"],
+        help="DeepSeek-V4 attention and shared-expert weights: auto (the model dtype) or fp8 "
+        "(e4m3, one power-of-two scale per 128x128 block, as DeepSeek ships them)",
+    )
     g.add_argument("--disable-cuda-graphs", action="store_true", help="run decode eagerly on GPU")
     g.add_argument("--max-cuda-graph-batch", type=int, default=d.max_cuda_graph_batch)
     g.add_argument(
@@ -270,6 +277,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         dtype=a.dtype,
         device=a.device,
         attention_backend=a.attention_backend,
+        linear_weights=a.linear_weights,
         cuda_graphs=not a.disable_cuda_graphs,
         max_cuda_graph_batch=a.max_cuda_graph_batch,
         step_profile_every=a.step_profile_every,

@@ -94,6 +94,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     device: str = "auto"
     attention_backend: str = "auto"  # auto: triton on GPU, torch elsewhere; reference (DSV4 oracle)
+    # DeepSeek-V4 attention and shared-expert weights: auto (the model dtype) | fp8 (128x128 blocks)
+    linear_weights: str = "auto"
     cuda_graphs: bool = True
     max_cuda_graph_batch: int = 256
     # Time attention / MLP or MoE / communication / other on every N-th step; 0: off.

@@ -18,6 +18,7 @@ from kvrelay.layers.step_profile import StepProfiler
 from kvrelay.models.deepseek_v4.batch_meta import build_meta
 from kvrelay.models.deepseek_v4.batched import forward_batched
 from kvrelay.models.deepseek_v4.config import CSA, HCA
+from kvrelay.models.deepseek_v4.fp8_linears import use_fp8_linears
 from kvrelay.models.deepseek_v4.layer import LayerKernels
 from kvrelay.models.deepseek_v4.norms import use_norm_kernel
 from kvrelay.models.deepseek_v4.paged import PagedSequence, forward_paged
@@ -48,6 +49,9 @@ class DeepseekV4Runner:
         self.ratios = tuple(
             sorted({c.compress_ratio(i) for i, t in enumerate(c.layer_types) if t in (CSA, HCA)})
         )
+        if cfg.linear_weights == "fp8":
+            n = use_fp8_linears(self.model)
+            log.info("%d attention / shared-expert linears hold FP8 block-scaled weights", n)
         self.ops, self.kernels = _pick_ops(cfg.attention_backend, self.device)
         if self.kernels is not None:  # the Triton path: fused norms as well
             from kvrelay.kernels.triton_pointwise import rms_norm_wide

@@ -55,6 +55,11 @@ def make_runner(cfg: EngineConfig, src: ModelSource):
 
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, src: ModelSource) -> None:
+        if cfg.linear_weights != "auto":
+            raise ValueError(
+                f"--linear-weights {cfg.linear_weights} is for DeepSeek-V4 models; "
+                f"{src.config.architecture} runs its weights in the model dtype"
+            )
         self.cfg = cfg
         self.device = pick_device(cfg.device)
         self.dtype = pick_dtype(cfg.dtype, self.device)

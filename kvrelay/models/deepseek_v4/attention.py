@@ -82,7 +82,8 @@ class Attention(nn.Module):
         return getattr(self.compressor, "indexer", None)
 
     def empty_state(self, device: torch.device | str = "cpu") -> LayerState:
-        dtype = self.kv_proj.weight.dtype
+        # the model dtype (an FP8 projection remembers the one it replaced)
+        dtype = getattr(self.kv_proj, "model_dtype", self.kv_proj.weight.dtype)
         return LayerState(
             window=torch.empty(0, self.head_dim, dtype=dtype, device=device),
             compressor=None if self.compressor is None else self.compressor.empty_state(device),

@@ -104,6 +104,20 @@ def build_meta(
     )
 
 
+@dataclass(frozen=True)
+class CompressPlan:
+    """Where one compress ratio's step reads and writes, the same for every layer of that
+    ratio: the closing windows' first positions, the pool rows their entries go to (the dummy
+    page for padding closers), each row's pending-window slot row, the slot whose previous
+    half the last closed window replaces (0: none), and each row's position-bias row."""
+
+    window_start: torch.Tensor  # [C]
+    store_rows: torch.Tensor  # [C]
+    pending_rows: torch.Tensor  # [T]
+    prev_slots: torch.Tensor  # [C]
+    bias_rows: torch.Tensor  # [T]
+
+
 @dataclass
 class StepIndex:
     """Device-side index tensors derived from a BatchMeta, computed on first use in a step and
@@ -118,12 +132,14 @@ class StepIndex:
             self._cache[key] = make()
         return self._cache[key]
 
-    def rope(self, table, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of every row's position under `table` (a RopeTable), computed once per
-        step for all layers whose tables are equal."""
-        return self._memo(
-            ("rope", table.key, dtype), lambda: table.cos_sin(self.meta.positions, dtype)
-        )
+    def rope(
+        self, table, dtype: torch.dtype, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin under `table` (a RopeTable) of every row's position, or of `positions`
+        (a tensor memoized in this step), computed once per step for all layers whose tables
+        are equal."""
+        pos = self.meta.positions if positions is None else positions
+        return self._memo(("rope", table.key, dtype, id(pos)), lambda: table.cos_sin(pos, dtype))
 
     def swa_rows(self) -> torch.Tensor:
         """[T] the flat sliding-window pool row of each row's token."""
@@ -164,6 +180,25 @@ class StepIndex:
             return m.page_table[:, col] * per_page + e % per_page
 
         return self._memo(("entries", ratio), make)
+
+    def compress_plan(self, ratio: int) -> CompressPlan:
+        def make() -> CompressPlan:
+            m, r = self.meta, ratio
+            cl = m.closers[r]
+            seq = m.seq[cl.rows]
+            wstart = m.positions[cl.rows] + 1 - r
+            rows = self.entry_rows_of(r, seq, wstart // r)
+            open_after = m.positions >= m.chunk_end[m.seq] // r * r
+            keep_slot = torch.where(open_after, m.slots[m.seq], 0)
+            return CompressPlan(
+                window_start=wstart,
+                store_rows=torch.where(cl.valid, rows, 0),
+                pending_rows=keep_slot * r + m.positions % r,
+                prev_slots=torch.where(cl.valid & cl.last, m.slots[seq], 0),
+                bias_rows=m.positions % r,
+            )
+
+        return self._memo(("compress", ratio), make)
 
     def visible(self, ratio: int) -> torch.Tensor:
         """[T] entries of this ratio each row's token may attend to: (pos + 1) // ratio."""

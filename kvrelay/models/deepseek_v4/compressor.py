@@ -90,7 +90,8 @@ class Compressor(nn.Module):
                 slots_kv, slots_score = closed_kv, closed_score
             pooled = (slots_score.softmax(dim=1) * slots_kv).sum(dim=1)
             positions = (state.num_entries + torch.arange(m, device=x.device)) * r
-            new = self._finish(pooled, positions).to(state.entries.dtype)
+            cos, sin = self.rope.cos_sin(positions, pooled.dtype)
+            new = self._finish(pooled, cos, sin).to(state.entries.dtype)
 
         return new, CompressorState(
             entries=torch.cat((state.entries, new)),
@@ -100,10 +101,9 @@ class Compressor(nn.Module):
             prev_score=prev_score,
         )
 
-    def _finish(self, pooled: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Norm, rotate at the window's first token, and round like the cache would."""
+    def _finish(self, pooled: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Norm, rotate at the window's first token (cos, sin), and round like the cache would."""
         entries = self.kv_norm(pooled)
-        cos, sin = self.rope.cos_sin(positions, pooled.dtype)
         if self.quant == QUANT_FP4:
             return hadamard_fp4(apply_rope(entries, cos, sin))
         nope = self.dim - self.rope_dim

@@ -38,7 +38,9 @@ def fusable(fn: F) -> F:
             return fn(*args, **kwargs)
         if compiled is None:
             _raise_recompile_limit()
-            compiled = torch.compile(fn, fullgraph=True)
+            # emulate_precision_casts: keep every explicit bf16 rounding of the eager code (by
+            # default inductor drops a down-then-up cast pair inside a fused kernel)
+            compiled = torch.compile(fn, fullgraph=True, options={"emulate_precision_casts": True})
         return compiled(*args, **kwargs)
 
     call.eager = fn  # type: ignore[attr-defined]

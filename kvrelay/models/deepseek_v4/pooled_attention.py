@@ -16,6 +16,7 @@ import torch
 
 from kvrelay.models.deepseek_v4.attention import Attention
 from kvrelay.models.deepseek_v4.batch_meta import BatchMeta, StepIndex
+from kvrelay.models.deepseek_v4.fusion import fusable
 from kvrelay.models.deepseek_v4.pooled_compressor import (
     PoolWindows,
     compress_step,
@@ -76,11 +77,11 @@ def pooled_attention(
 
 
 def _compress(comp, x, meta: BatchMeta, index: StepIndex, slots, store, ops) -> None:
-    r = comp.ratio
-    rows = index.entry_rows_of
+    plan = index.compress_plan(comp.ratio)
+    cos_sin = index.rope(comp.rope, x.dtype, plan.window_start)
     compress_step(
-        comp, x, meta, slots.pending_kv, slots.pending_score, slots.prev_kv, slots.prev_score,
-        lambda seq, e: rows(r, seq, e), store, ops.pool_windows,
+        comp, x, meta, plan, cos_sin, slots.pending_kv, slots.pending_score, slots.prev_kv,
+        slots.prev_score, store, ops.pool_windows,
     )  # fmt: skip
 
 
@@ -92,5 +93,10 @@ def _select(attn, x, qr, cos, sin, meta, index: StepIndex, pool, layer: int, ops
     keys, scale = pool.index_k_rows(layer)
     rows = index.entry_rows(r)
     chosen = ops.indexer_topk(q, w, keys, scale, rows, meta.seq, index.visible(r), attn.index_topk)
-    picked = rows[meta.seq[:, None], chosen.clamp(min=0)]
-    return torch.where(chosen >= 0, picked, -1)
+    return rows_of_chosen(rows, meta.seq, chosen)
+
+
+@fusable
+def rows_of_chosen(rows: torch.Tensor, seq: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """[T, K] pool rows of each row's chosen entries (`rows`: [B, E] per sequence), -1 kept."""
+    return torch.where(chosen >= 0, rows[seq[:, None], chosen.clamp(min=0)], -1)

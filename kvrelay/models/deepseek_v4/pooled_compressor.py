@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kvrelay.models.deepseek_v4.batch_meta import BatchMeta, Closers
+from kvrelay.models.deepseek_v4.batch_meta import BatchMeta, Closers, CompressPlan
 from kvrelay.models.deepseek_v4.compressor import Compressor
 from kvrelay.models.deepseek_v4.precision import wide, wide_weight
 
@@ -90,43 +90,34 @@ def compress_step(
     comp: Compressor,
     x: torch.Tensor,
     meta: BatchMeta,
+    plan: CompressPlan,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
     pending_kv: torch.Tensor,
     pending_score: torch.Tensor,
     prev_kv: torch.Tensor | None,
     prev_score: torch.Tensor | None,
-    entry_rows_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     store: Callable[[torch.Tensor, torch.Tensor], None],
     pool_windows: PoolWindows = pool_windows_reference,
 ) -> None:
     """x: [T, hidden] normed inputs. Slot tensors: [slots, r, coff*d] (prev: [slots, r, d]).
-    `entry_rows_of(seq, entry)` maps closers to pool rows; `store(rows, entries)` writes them;
+    `plan`: the step's rows for this ratio (`StepIndex.compress_plan`); `cos_sin`: the rotation
+    at each closing window's first position; `store(rows, entries)` writes entries;
     `pool_windows`: the reference above or its Triton kernel."""
     r, d = comp.ratio, comp.dim
     xw = wide(x)
     kv = F.linear(xw, wide_weight(comp.kv_proj.weight))
-    score = (
-        F.linear(xw, wide_weight(comp.gate_proj.weight)) + comp.position_bias[meta.positions % r]
-    )
+    score = F.linear(xw, wide_weight(comp.gate_proj.weight)) + comp.position_bias[plan.bias_rows]
     cl = meta.closers[r]
     pooled, first_half = pool_windows(
         kv, score, pending_kv, pending_score, prev_kv, prev_score, meta, cl, r, d
     )
-    seq = meta.seq[cl.rows]
-    wstart = meta.positions[cl.rows] + 1 - r
-    entries = comp._finish(pooled, wstart)
-    rows = entry_rows_of(seq, wstart // r)
-    store(torch.where(cl.valid, rows, 0), entries)
+    store(plan.store_rows, comp._finish(pooled, *cos_sin))
 
     # State after the step: rows of each sequence's final open window go to pending ...
-    pos = meta.positions
-    open_after = pos >= meta.chunk_end[meta.seq] // r * r
-    keep_slot = torch.where(open_after, meta.slots[meta.seq], 0)
-    dst = keep_slot * r + pos % r
     pk, ps = pending_kv.view(-1, kv.shape[1]), pending_score.view(-1, kv.shape[1])
-    pk.index_copy_(0, dst, kv)
-    ps.index_copy_(0, dst, score)
+    pk.index_copy_(0, plan.pending_rows, kv)
+    ps.index_copy_(0, plan.pending_rows, score)
     # ... and the last closed window's first half to prev (overlapping compressors).
     if first_half is not None:
-        last_slot = torch.where(cl.valid & cl.last, meta.slots[seq], 0)
-        prev_kv.index_copy_(0, last_slot, first_half[0])
-        prev_score.index_copy_(0, last_slot, first_half[1])
+        prev_kv.index_copy_(0, plan.prev_slots, first_half[0])
+        prev_score.index_copy_(0, plan.prev_slots, first_half[1])
