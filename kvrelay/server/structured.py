@@ -44,9 +44,7 @@ def _check(grammar: str, param: str, what: str) -> str:
 def json_schema_grammar(schema: dict[str, Any], param: str) -> str:
     from llguidance import LLMatcher
 
-    grammar = LLMatcher.grammar_from_json_schema(
-        schema, overrides=tool_grammar.JSON_OPTIONS
-    )
+    grammar = LLMatcher.grammar_from_json_schema(schema, overrides=tool_grammar.JSON_OPTIONS)
     return _check(grammar, param, "this JSON schema")
 
 

@@ -26,6 +26,7 @@ from kvrelay.server.tools.dsml import DSML, PARAM_CLOSE
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
+
 def _lit(s: str) -> str:
     """A Lark string literal."""
     return json.dumps(s, ensure_ascii=False)
@@ -57,7 +58,7 @@ def parameters(fn: dict[str, Any]) -> dict[str, Any]:
 
 
 def _calls(call: str, parallel: bool) -> str:
-    return f"{call} (\"\\n\" {call})*" if parallel else call
+    return f'{call} ("\\n" {call})*' if parallel else call
 
 
 def json_calls_grammar(functions: list[dict[str, Any]], parallel: bool) -> str:
@@ -92,7 +93,9 @@ def _string_choices(schema: Any) -> list[str] | None:
     the encoder writes raw; None otherwise."""
     if not isinstance(schema, dict) or schema.get("type", "string") != "string":
         return None
-    values = schema["enum"] if "enum" in schema else [schema["const"]] if "const" in schema else None
+    values = (
+        schema["enum"] if "enum" in schema else [schema["const"]] if "const" in schema else None
+    )
     if not values or not all(isinstance(v, str) and DSML not in v for v in values):
         return None
     return values
