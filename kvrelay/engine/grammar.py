@@ -11,13 +11,14 @@ consumes its token; a grammar that is complete finishes the request.
 llguidance rather than xgrammar: llguidance has no Python dependencies (one abi3 wheel), while
 xgrammar pulls transformers, triton and tvm-ffi; vLLM and SGLang use both.
 
-Compiled grammars are cached (LRU, keyed by the tokenizer and the grammar text): a request gets a
-copy of the cached matcher. The llguidance tokenizer is built from the model's HF tokenizer the
+Compiled grammars are cached (LRU, keyed by the grammar text's digest; a backend has one
+tokenizer): a request gets a copy of the cached matcher. The llguidance tokenizer is built from the model's HF tokenizer the
 first time a constrained request arrives (about a second, once), not at engine start.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import OrderedDict
@@ -44,7 +45,7 @@ class GrammarBackend:
         self.eos_ids = list(eos_ids)
         self._tokenizer = None
         self._executor = None
-        self._cache: OrderedDict[str, object] = OrderedDict()
+        self._cache: OrderedDict[bytes, object] = OrderedDict()
         self.hits = self.misses = 0
 
     @property
@@ -75,16 +76,18 @@ class GrammarBackend:
         import llguidance
 
         tok = self.tokenizer
-        template = self._cache.get(grammar)
+        # This backend has one tokenizer: the key is the grammar's digest (big schemas stay out).
+        key = hashlib.sha256(grammar.encode()).digest()
+        template = self._cache.get(key)
         if template is not None:
-            self._cache.move_to_end(grammar)
+            self._cache.move_to_end(key)
             self.hits += 1
             return template.deep_copy()
         self.misses += 1
         m = llguidance.LLMatcher(tok, grammar, log_level=0)
         if m.is_error():
             raise GrammarError(f"the grammar does not compile: {m.get_error()}")
-        self._cache[grammar] = m  # the cache is this backend's: one tokenizer per key space
+        self._cache[key] = m
         if len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
         return m.deep_copy()

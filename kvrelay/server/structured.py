@@ -13,7 +13,8 @@ a schema it cannot honour is a 400 naming the feature (and the field), never an 
 
 from __future__ import annotations
 
-import functools
+import hashlib
+from collections import OrderedDict
 from typing import Any
 
 from kvrelay.server.chat_format import dsv4_thinking
@@ -24,14 +25,29 @@ from kvrelay.server.tools import tool_grammar
 ANY_OBJECT = {"type": "object"}
 
 
-@functools.lru_cache(maxsize=256)
+_checked: OrderedDict[bytes, str | None] = OrderedDict()  # digest of a grammar -> its problem
+CHECKED_SIZE = 256
+
+
 def _problem(grammar: str) -> str | None:
     """llguidance's error for this grammar (None: it compiles). Without the tokenizer: a pure
-    check of the grammar and its schemas, which is what can be wrong in a request."""
+    check of the grammar and its schemas, which is what can be wrong in a request. Remembered
+    by digest (an agent sends the same tools every turn; a digest keeps big schemas out)."""
     from llguidance import LLMatcher
 
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
-    return "; ".join(messages) if is_error else None
+    key = hashlib.sha256(grammar.encode()).digest()
+    if key in _checked:
+        _checked.move_to_end(key)
+        return _checked[key]
+    try:
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    except Exception as e:  # whatever a client's schema makes llguidance raise is a 400
+        is_error, messages = True, [f"{type(e).__name__}: {e}"]
+    problem = "; ".join(messages) if is_error else None
+    _checked[key] = problem
+    if len(_checked) > CHECKED_SIZE:
+        _checked.popitem(last=False)
+    return problem
 
 
 def _check(grammar: str, param: str, what: str) -> str:
