@@ -349,7 +349,8 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             prompt_ids = await asyncio.to_thread(state.tokenizer.encode, req.text)
             if not prompt_ids:
                 raise bad_request("text is empty", "text")
-        gen = _start(view, prompt_ids, "generate")
+        grammar = await asyncio.to_thread(structured.sglang_grammar, req.sampling_params)
+        gen = _start(view, prompt_ids, "generate", grammar=grammar)
         rid = req.rid or gen.rid
         if req.stream:
             return StreamingResponse(

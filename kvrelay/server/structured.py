@@ -14,6 +14,7 @@ a schema it cannot honour is a 400 naming the feature (and the field), never an 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import OrderedDict
 from typing import Any
 
@@ -71,6 +72,36 @@ def response_format_grammar(rf: ResponseFormat | None) -> str | None:
     if rf.type == "json_schema" and rf.json_schema.schema_ is not None:
         schema = rf.json_schema.schema_
     return json_schema_grammar(schema, "response_format")
+
+
+def sglang_grammar(p) -> str | None:
+    """SGLang's sampling_params json_schema (JSON text), regex or ebnf (at most one)."""
+    from llguidance import LLMatcher, grammar_from
+
+    given = [k for k in ("json_schema", "regex", "ebnf") if getattr(p, k) is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad_request(f"give one of {', '.join(given)}", f"sampling_params.{given[1]}")
+    kind, text = given[0], getattr(p, given[0])
+    param = f"sampling_params.{kind}"
+    if kind == "json_schema":
+        try:
+            schema = json.loads(text)
+        except ValueError as e:
+            raise bad_request(f"{param}: not JSON: {e}", param) from None
+        if schema is True:
+            schema = {}
+        if not isinstance(schema, dict):
+            raise bad_request(f"{param}: a JSON schema is an object (or true)", param)
+        return json_schema_grammar(schema, param)
+    if kind == "regex":
+        return _check(LLMatcher.grammar_from_regex(text), param, "this regex")
+    try:
+        grammar = grammar_from("ebnf", text)
+    except ValueError as e:
+        raise bad_request(f"{param}: this grammar is not supported: {e}", param) from None
+    return _check(grammar, param, "this grammar")
 
 
 def forced_functions(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
