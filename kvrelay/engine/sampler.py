@@ -46,9 +46,20 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Disallowed tokens get -inf, in place, on the whole batch at once."""
-    allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), logits.shape[1])
-    logits.masked_fill_(~allowed, float("-inf"))
+    """Disallowed tokens get -inf, in place, batched. Only the rows that restrict anything are
+    unpacked (found on the mask's own device, the CPU where llguidance filled it: no sync); rows
+    of all ones are not touched."""
+    rows = (bitmask != -1).any(dim=1).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return
+    vocab = logits.shape[1]
+    if rows.numel() == bitmask.shape[0]:
+        allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), vocab)
+        logits.masked_fill_(~allowed, float("-inf"))
+        return
+    allowed = unpack_bitmask(bitmask[rows].to(logits.device, non_blocking=True), vocab)
+    rows = rows.to(logits.device, non_blocking=True)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -33,11 +33,14 @@ def test_bitmask_matches_a_per_row_reference(vocab: int) -> None:
     logits = torch.randn(n, vocab, generator=g)
     masked = logits.clone()
     apply_token_bitmask(masked, bitmask)
-    for r in range(n):
+    for r in (0, 1, 3, 4):
         for t in range(vocab):
             assert masked[r, t].item() == (logits[r, t].item() if want[r, t] else float("-inf"))
-    if vocab <= 32 * words:
-        assert torch.equal(masked[2], logits[2])  # bitwise the same
+    assert torch.equal(masked[2], logits[2])  # an unconstrained row: bitwise the same
+    every = torch.full((n, words), -1, dtype=torch.int32)
+    untouched = logits.clone()
+    apply_token_bitmask(untouched, every)
+    assert torch.equal(untouched, logits)
 
 
 def test_sample_keeps_to_the_mask_and_leaves_free_rows_alone() -> None:
