@@ -105,10 +105,12 @@ class GrammarBackend:
         for r in reqs:
             if r.matcher is not None:
                 catch_up(r)
-        from llguidance.torch import fill_next_token_bitmask_par
-
-        mask = torch.full((len(reqs), self.mask_width()), -1, dtype=torch.int32)
-        fill_next_token_bitmask_par(self._executor, rows, mask)
+        width = self.mask_width()
+        mask = torch.full((len(reqs), width), -1, dtype=torch.int32)  # CPU, contiguous
+        # llguidance.torch.fill_next_token_bitmask_par without importing that module (it
+        # decorates a kernel with torch.compile at import): the executor fills the rows in
+        # parallel threads, straight into the tensor's memory.
+        self._executor.unsafe_compute_mask_ptr(rows, mask.data_ptr(), width * 4, len(reqs))
         return mask
 
 
