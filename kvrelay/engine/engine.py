@@ -10,6 +10,8 @@ import msgspec
 import torch
 
 from kvrelay.config import EngineConfig
+from kvrelay.engine import grammar as grammar_mod
+from kvrelay.engine.grammar import GrammarBackend, GrammarError
 from kvrelay.engine.messages import AddRequest, EngineStats, RequestOutput, StepOutputs
 from kvrelay.engine.request import Request
 from kvrelay.engine.runner import make_runner
@@ -29,6 +31,9 @@ class Engine:
         r = self.runner
         self.scheduler = Scheduler(cfg.scheduler, r.num_pages, r.page_size, r.num_state_slots)
         self.eos_ids = set(self.src.config.eos_token_ids)
+        self.grammar = GrammarBackend(
+            self.src, self.src.config.vocab_size, sorted(self.eos_ids)
+        )  # llguidance: built on the first grammar-constrained request
         self._rng = random.Random(cfg.seed)
         self._pending: list[RequestOutput] = []
         self.last_step_ms = 0.0
@@ -74,6 +79,19 @@ class Engine:
                 )  # the peer learns now, not at a timeout
             return
         req = Request(msg.rid, msg.prompt_ids, p, 0)
+        if p.grammar is not None:
+            try:
+                req.matcher = self.grammar.matcher(p.grammar)
+            except Exception as e:  # GrammarError, or llguidance failing: this request only
+                if not isinstance(e, GrammarError):
+                    log.exception("grammar setup failed rid=%s", msg.rid)
+                    e = GrammarError(f"the grammar cannot be used: {type(e).__name__}: {e}")
+                self._pending.append(
+                    RequestOutput(msg.rid, [], finish_reason="rejected", error=str(e))
+                )
+                if msg.pd is not None and self.agent is not None:
+                    self.agent.reject(msg.pd.transfer_id, str(e))
+                return
         req.generator = torch.Generator(device=self.runner.device)
         req.generator.manual_seed(p.seed if p.seed is not None else self._rng.getrandbits(63))
         if msg.pd is not None:
@@ -161,6 +179,7 @@ class Engine:
                 [r.params for r in sampling],
                 [r.output_ids for r in sampling],
                 [r.generator for r in sampling],
+                self.grammar.bitmask(sampling),  # None when no request is constrained
             )
         except Exception as e:  # a broken batch fails its requests, never the engine
             self.failed_steps += 1  # /health turns 503 when they keep failing (a sticky error)
@@ -195,7 +214,14 @@ class Engine:
                 if shipped:
                     continue  # sent to decode with the prompt's KV; decode continues from here
             req.output_ids.append(tok)
-            reason = out.finish_reason = self.stop_reason(req, tok)
+            reason = self.stop_reason(req, tok)
+            if req.matcher is not None:
+                verdict = grammar_mod.advance(req, tok)
+                if verdict == "error":
+                    self._fail(req, "error", f"grammar: {req.matcher.get_error()}")
+                    continue
+                reason = reason or verdict  # a complete grammar ends the output
+            out.finish_reason = reason
             if reason is not None:
                 self.scheduler.finish(req, reason)
             outputs.append(out)

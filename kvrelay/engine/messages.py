@@ -19,6 +19,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n >= 0: chosen token plus n top alternatives
+    # llguidance grammar (its serialized text) the output must match; None: unconstrained.
+    grammar: str | None = None
 
 
 class AddRequest(msgspec.Struct, tag=True):

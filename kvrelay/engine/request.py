@@ -31,6 +31,8 @@ class Request:
         self.num_computed = 0  # tokens whose K/V sit in the cache
         self.generator: torch.Generator | None = None
         self.finish_reason: str | None = None
+        self.matcher = None  # llguidance LLMatcher of a grammar-constrained request (grammar.py)
+        self.grammar_consumed = 0  # output tokens the matcher has consumed
 
     @property
     def all_ids(self) -> list[int]:

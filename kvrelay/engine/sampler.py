@@ -1,8 +1,10 @@
-"""Per-request sampling: penalties, temperature, top-k, top-p, min-p, seeds, and logprobs.
+"""Per-request sampling: penalties, grammar bitmask, temperature, top-k, top-p, min-p, seeds, and
+logprobs.
 
 Logprobs are those of the model's own distribution (log-softmax of the raw logits), as in vLLM.
 Random draws use each request's own generator, so a seeded request gives the same tokens whatever
-else shares its batch.
+else shares its batch. A grammar's token bitmask (engine/grammar.py) is one int32 tensor for the
+whole batch, applied with torch ops outside any captured graph; rows of all ones change nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +31,35 @@ def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], outputs
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(
                 logits.dtype
             )
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int32 [N, W] (bit j of word w allows token 32*w + j, llguidance's layout) -> bool [N, vocab]
+    of allowed tokens; tokens beyond 32*W are not allowed."""
+    n, w = bitmask.shape
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().reshape(n, w * 32)
+    if w * 32 >= vocab:
+        return allowed[:, :vocab]
+    pad = torch.zeros(n, vocab - w * 32, dtype=torch.bool, device=bitmask.device)
+    return torch.cat([allowed, pad], dim=1)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Disallowed tokens get -inf, in place, batched. Only the rows that restrict anything are
+    unpacked (found on the mask's own device, the CPU where llguidance filled it: no sync); rows
+    of all ones are not touched."""
+    rows = (bitmask != -1).any(dim=1).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return
+    vocab = logits.shape[1]
+    if rows.numel() == bitmask.shape[0]:
+        allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), vocab)
+        logits.masked_fill_(~allowed, float("-inf"))
+        return
+    allowed = unpack_bitmask(bitmask[rows].to(logits.device, non_blocking=True), vocab)
+    rows = rows.to(logits.device, non_blocking=True)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -63,11 +94,16 @@ def sample(
     params: list[SamplingParams],
     outputs: list[list[int]],
     generators: list[torch.Generator],
+    bitmask: torch.Tensor | None = None,
 ) -> SampleResult:
-    """logits: [N, V] float32, one row per request that samples this step."""
+    """logits: [N, V] float32, one row per request that samples this step. bitmask: int32
+    [N, ceil(V/32)] of allowed tokens (grammar-constrained rows; the others all ones), or None.
+    Logprobs stay those of the model's own distribution (the mask does not renormalize them)."""
     raw = logits
     logits = logits.clone()
     _apply_penalties(logits, params, outputs)
+    if bitmask is not None:
+        apply_token_bitmask(logits, bitmask)
     chosen = logits.argmax(dim=1)
     rows = [i for i, p in enumerate(params) if p.temperature > 0]
     if rows:

@@ -27,6 +27,7 @@ from kvrelay.disagg.protocol import PDParams
 from kvrelay.engine.messages import SamplingParams
 from kvrelay.server import openai_format as fmt
 from kvrelay.server import sglang_api as sglang
+from kvrelay.server import structured
 from kvrelay.server.chat_format import ChatFormat
 from kvrelay.server.chat_output import ChatOutputParser, delta_dict, message_dict
 from kvrelay.server.engine_client import EngineClient, EngineDead
@@ -250,7 +251,8 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             prompt_ids = await asyncio.to_thread(chat_format.prompt_ids, req)
         except (ValueError, TypeError, TemplateError) as e:  # what the messages made it raise
             raise bad_request(f"the messages cannot be rendered: {e}", "messages") from None
-        gen = _start(req, prompt_ids)
+        grammar = await asyncio.to_thread(structured.chat_grammar, req, chat_format)
+        gen = _start(req, prompt_ids, grammar=grammar)
         rid, created = gen.rid, int(gen.created)
         parser = chat_format.output_parser(req, f"call_{uuid.uuid4().hex[:16]}_")
         if req.stream:
@@ -298,7 +300,8 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         )
         if not prompt_ids:
             raise bad_request("prompt is empty", "prompt")
-        gen = _start(req, prompt_ids)
+        grammar = await asyncio.to_thread(structured.response_format_grammar, req.response_format)
+        gen = _start(req, prompt_ids, grammar=grammar)
         rid, created = gen.rid, int(gen.created)
         echo = (
             (prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt_ids))
@@ -346,7 +349,8 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             prompt_ids = await asyncio.to_thread(state.tokenizer.encode, req.text)
             if not prompt_ids:
                 raise bad_request("text is empty", "text")
-        gen = _start(view, prompt_ids, "generate")
+        grammar = await asyncio.to_thread(structured.sglang_grammar, req.sampling_params)
+        gen = _start(view, prompt_ids, "generate", grammar=grammar)
         rid = req.rid or gen.rid
         if req.stream:
             return StreamingResponse(
@@ -408,7 +412,9 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
                     f"stop_token_ids[{i}]",
                 )
 
-    def _start(req, prompt_ids: list[int], prefix: str | None = None) -> Generation:
+    def _start(
+        req, prompt_ids: list[int], prefix: str | None = None, grammar: str | None = None
+    ) -> Generation:
         limit = state.max_model_len
         if len(prompt_ids) >= limit:
             raise bad_request(
@@ -430,6 +436,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=req.num_logprobs,
+            grammar=grammar,
         )
         prefix = prefix or ("chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl")
         rid = f"{prefix}-{uuid.uuid4().hex}"

@@ -44,6 +44,27 @@ class StreamOptions(_Open):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Open):
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: text (no constraint), json_object (any JSON object) or
+    json_schema (output valid for the schema; enforced whether or not `strict` is set)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object")
+        return self
+
+
 class _Sampling(_Open):
     """Unknown fields are accepted and ignored; known ones that would change the answer in a way
     kvrelay does not implement are refused (logit_bias, repetition_penalty != 1)."""
@@ -62,6 +83,7 @@ class _Sampling(_Open):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
     ignore_eos: bool = False
     user: str | None = None
     # vLLM's extras with the values that change nothing; any other value is refused.
@@ -154,6 +176,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call (a grammar enforces it)
     # Thinking switch as vLLM/SGLang read it for DeepSeek: {"thinking": true} (or enable_thinking).
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None

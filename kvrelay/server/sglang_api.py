@@ -3,11 +3,12 @@ clients work against kvrelay.
 
 The request: `text` or `input_ids` (a batch of one is accepted, larger batches are refused),
 `sampling_params` with SGLang's names (max_new_tokens, temperature, top_p, top_k, min_p, stop,
-stop_token_ids, ignore_eos, penalties, sampling_seed), `stream`, `rid`. The answer: `text`,
+stop_token_ids, ignore_eos, penalties, sampling_seed; structured output: one of json_schema,
+regex, ebnf, as llguidance grammars, structured.py), `stream`, `rid`. The answer: `text`,
 `output_ids` and `meta_info` {id, finish_reason ({"type": "length", "length": n} or
 {"type": "stop", "matched": token id or string}), prompt_tokens, completion_tokens,
 e2e_latency}; streamed as SSE `data:` events whose `text` is the whole output so far, then
-`data: [DONE]`. Anything SGLang would honour but kvrelay cannot (logprobs, structured output,
+`data: [DONE]`. Anything SGLang would honour but kvrelay cannot (logprobs, structural tags,
 images, LoRA, n > 1, repetition penalty, keeping special tokens) is a 400, never ignored."""
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class SGLangSamplingParams(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     sampling_seed: Int64 | None = None
+    json_schema: str | None = None  # a JSON schema, as JSON text
+    regex: str | None = None
+    ebnf: str | None = None  # GBNF (llama.cpp's) or Lark
     # Accepted only with the value that changes nothing.
     n: Literal[1] = 1
     repetition_penalty: float = Field(default=1.0, ge=1.0, le=1.0)

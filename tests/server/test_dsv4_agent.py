@@ -164,3 +164,32 @@ def test_answer_equals_transformers(conversations, oracle, question, tool, args,
     assert answer.finish_reason == "stop" and not answer.message.tool_calls
     assert answer.message.content == tok.decode(want[:-1], skip_special_tokens=True)
     assert answer.message.content  # a real answer, not an empty one
+
+
+def test_forced_tool_calls_are_dsml(client) -> None:
+    """tool_choice named / "required": a grammar writes the DSML call, which the DSML parser
+    turns into tool_calls with arguments valid for the tool's schema (batched, both at once)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    jobs = [("What is the weather in Lima?", named), ("Add 7 and 90.", "required")]
+
+    def ask(question, choice):
+        messages = [SYSTEM, {"role": "user", "content": question}]
+        return client.chat.completions.create(
+            model=MODEL, messages=messages, tools=TOOLS, tool_choice=choice, temperature=0,
+            max_tokens=160, parallel_tool_calls=False,
+        )  # fmt: skip
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(lambda job: ask(*job), jobs))
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for r, (_, choice) in zip(answers, jobs, strict=True):
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls", c.message
+        [call] = c.message.tool_calls
+        args = json.loads(call.function.arguments)
+        if isinstance(choice, dict):
+            assert call.function.name == "get_weather"
+        schema = schemas[call.function.name]
+        assert set(args) == set(schema["required"])
+        for key, prop in schema["properties"].items():
+            assert isinstance(args[key], {"string": str, "integer": int}[prop["type"]])

@@ -71,14 +71,38 @@ def test_stream_is_sse_of_the_output_so_far_then_done(server):
     assert texts[-1] == whole["text"] and chunks[-1]["output_ids"] == whole["output_ids"]
 
 
+def test_structured_output(server):
+    """sampling_params regex / json_schema / ebnf constrain the output (llguidance grammars)."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    kinds = {
+        "regex": " (yes|no)",
+        "json_schema": json.dumps({**schema, "additionalProperties": False}),
+        "ebnf": 'root ::= " " ("red" | "green" | "blue")',
+    }
+    out = {}
+    for kind, grammar in kinds.items():
+        params = {**GREEDY, "max_new_tokens": 8, kind: grammar}
+        body = {"text": "Is the sky blue? Answer:", "sampling_params": params}
+        r = httpx.post(server.url + "/generate", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["meta_info"]["finish_reason"]["type"] == "stop", r.text
+        out[kind] = r.json()["text"]
+    assert out["regex"] in (" yes", " no")
+    assert set(json.loads(out["json_schema"])) == {"ok"}
+    assert out["ebnf"] in (" red", " green", " blue")
+
+
 @pytest.mark.parametrize(
     "body,param",
     [
         ({"sampling_params": GREEDY}, None),  # neither text nor input_ids
         ({"text": "x", "input_ids": [1]}, None),
         ({"text": ["a", "b"]}, "text"),  # a batch
-        ({"text": "x", "sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
-        ({"text": "x", "sampling_params": {"json_schema": "{}"}}, "sampling_params.json_schema"),
+        ({"text": "x", "sampling_params": {"regex": "(a"}}, "sampling_params.regex"),
+        ({"text": "x", "sampling_params": {"json_schema": "{no"}}, "sampling_params.json_schema"),
+        ({"text": "x", "sampling_params": {"json_schema": '{"if": {}}'}}, "sampling_params.json_schema"),
+        ({"text": "x", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}}, "sampling_params.ebnf"),
+        ({"text": "x", "sampling_params": {"structural_tag": "{}"}}, "sampling_params.structural_tag"),
         ({"text": "x", "sampling_params": {"n": 2}}, "sampling_params.n"),
         ({"text": "x", "sampling_params": {"repetition_penalty": 1.2}}, "sampling_params.repetition_penalty"),
         ({"text": "x", "sampling_params": {"max_new_tokens": 2**70}}, "sampling_params.max_new_tokens"),

@@ -1,0 +1,149 @@
+"""Structured outputs: a request's `response_format` / forced `tool_choice` as an llguidance grammar.
+
+The grammar (llguidance's serialized text) travels to the engine in SamplingParams.grammar; the
+engine compiles it against the model's tokenizer and masks every sampling step
+(engine/grammar.py). Here, at request validation, it is built and checked by llguidance itself, so
+a schema it cannot honour is a 400 naming the feature (and the field), never an engine error.
+
+- response_format text: no grammar; json_object: any JSON object; json_schema: the schema
+  (enforced whether `strict` is true or not; unsupported keywords are refused, not ignored).
+- tool_choice "required" or a named function: the model's own tool-call format
+  (tools/tool_grammar.py); it wins over response_format. "auto" and "none" add no grammar.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from typing import Any
+
+from kvrelay.server.chat_format import dsv4_thinking
+from kvrelay.server.errors import bad_request
+from kvrelay.server.schemas import ChatCompletionRequest, NamedToolChoice, ResponseFormat
+from kvrelay.server.tools import tool_grammar
+
+ANY_OBJECT = {"type": "object"}
+
+
+_checked: OrderedDict[bytes, str | None] = OrderedDict()  # digest of a grammar -> its problem
+CHECKED_SIZE = 256
+
+
+def _problem(grammar: str) -> str | None:
+    """llguidance's error for this grammar (None: it compiles). Without the tokenizer: a pure
+    check of the grammar and its schemas, which is what can be wrong in a request. Remembered
+    by digest (an agent sends the same tools every turn; a digest keeps big schemas out)."""
+    from llguidance import LLMatcher
+
+    key = hashlib.sha256(grammar.encode()).digest()
+    if key in _checked:
+        _checked.move_to_end(key)
+        return _checked[key]
+    try:
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    except Exception as e:  # whatever a client's schema makes llguidance raise is a 400
+        is_error, messages = True, [f"{type(e).__name__}: {e}"]
+    problem = "; ".join(messages) if is_error else None
+    _checked[key] = problem
+    if len(_checked) > CHECKED_SIZE:
+        _checked.popitem(last=False)
+    return problem
+
+
+def _check(grammar: str, param: str, what: str) -> str:
+    problem = _problem(grammar)
+    if problem is not None:
+        raise bad_request(f"{param}: {what} is not supported: {problem}", param)
+    return grammar
+
+
+def json_schema_grammar(schema: dict[str, Any], param: str) -> str:
+    from llguidance import LLMatcher
+
+    grammar = LLMatcher.grammar_from_json_schema(schema, overrides=tool_grammar.JSON_OPTIONS)
+    return _check(grammar, param, "this JSON schema")
+
+
+def response_format_grammar(rf: ResponseFormat | None) -> str | None:
+    if rf is None or rf.type == "text":
+        return None
+    schema = ANY_OBJECT
+    if rf.type == "json_schema" and rf.json_schema.schema_ is not None:
+        schema = rf.json_schema.schema_
+    return json_schema_grammar(schema, "response_format")
+
+
+def sglang_grammar(p) -> str | None:
+    """SGLang's sampling_params json_schema (JSON text), regex or ebnf (at most one)."""
+    from llguidance import LLMatcher, grammar_from
+
+    given = [k for k in ("json_schema", "regex", "ebnf") if getattr(p, k) is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad_request(f"give one of {', '.join(given)}", f"sampling_params.{given[1]}")
+    kind, text = given[0], getattr(p, given[0])
+    param = f"sampling_params.{kind}"
+    if kind == "json_schema":
+        try:
+            schema = json.loads(text)
+        except ValueError as e:
+            raise bad_request(f"{param}: not JSON: {e}", param) from None
+        if schema is True:
+            schema = {}
+        if not isinstance(schema, dict):
+            raise bad_request(f"{param}: a JSON schema is an object (or true)", param)
+        return json_schema_grammar(schema, param)
+    if kind == "regex":
+        return _check(LLMatcher.grammar_from_regex(text), param, "this regex")
+    try:
+        grammar = grammar_from("ebnf", text)
+    except ValueError as e:
+        raise bad_request(f"{param}: this grammar is not supported: {e}", param) from None
+    return _check(grammar, param, "this grammar")
+
+
+def forced_functions(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The functions the model must call (None: tool calls are not forced)."""
+    choice = req.tool_choice
+    if not req.tools or choice in (None, "none", "auto"):
+        return None
+    fns = [t.function.model_dump(exclude_none=True) for t in req.tools]
+    if isinstance(choice, NamedToolChoice):
+        fns = [f for f in fns if f["name"] == choice.function.name]
+    return fns
+
+
+def tool_choice_grammar(req: ChatCompletionRequest, chat_format) -> str | None:
+    fns = forced_functions(req)
+    if fns is None:
+        return None
+    names = [t.function.name for t in req.tools]
+    for fn in fns:  # each schema on its own first: the 400 names the tool
+        params = tool_grammar.parameters(fn)
+        i = names.index(fn["name"])
+        json_schema_grammar(params, f"tools[{i}].function.parameters")
+    parallel = req.parallel_tool_calls is not False
+    if chat_format.dsv4:
+        think_end = _think_end(chat_format.tokenizer) if dsv4_thinking(req)[0] else None
+        lark = tool_grammar.dsml_calls_grammar(fns, parallel, think_end)
+    else:
+        lark = tool_grammar.json_calls_grammar(fns, parallel)
+    from llguidance import LLMatcher
+
+    return _check(LLMatcher.grammar_from_lark(lark), "tool_choice", "forcing these tools")
+
+
+def _think_end(tokenizer) -> str:
+    """`</think>` as a Lark item: its token where the tokenizer has one, else the text."""
+    tid = tokenizer.convert_tokens_to_ids("</think>")
+    if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+        return f"<[{tid}]>"
+    return '"</think>"'
+
+
+def chat_grammar(req: ChatCompletionRequest, chat_format) -> str | None:
+    """The grammar a chat request's output must match (None: unconstrained)."""
+    grammar = tool_choice_grammar(req, chat_format)
+    return grammar if grammar is not None else response_format_grammar(req.response_format)
