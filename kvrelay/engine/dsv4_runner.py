@@ -19,6 +19,7 @@ from kvrelay.models.deepseek_v4.batch_meta import build_meta
 from kvrelay.models.deepseek_v4.batched import forward_batched
 from kvrelay.models.deepseek_v4.config import CSA, HCA
 from kvrelay.models.deepseek_v4.fp8_linears import use_fp8_linears
+from kvrelay.models.deepseek_v4.fused_projections import fuse_projections
 from kvrelay.models.deepseek_v4.layer import LayerKernels
 from kvrelay.models.deepseek_v4.norms import use_norm_kernel
 from kvrelay.models.deepseek_v4.paged import PagedSequence, forward_paged
@@ -53,10 +54,11 @@ class DeepseekV4Runner:
             n = use_fp8_linears(self.model)
             log.info("%d attention / shared-expert linears hold FP8 block-scaled weights", n)
         self.ops, self.kernels = _pick_ops(cfg.attention_backend, self.device)
-        if self.kernels is not None:  # the Triton path: fused norms as well
+        if self.kernels is not None:  # the Triton path: fused norms and projections as well
             from kvrelay.kernels.triton_pointwise import rms_norm_wide
 
             use_norm_kernel(self.model, rms_norm_wide)
+            fuse_projections(self.model)
         # Admission keeps running requests <= max_running_requests, so a slot is always free.
         self.num_state_slots = num_slots  # the scheduler hands them out (slot 0 never)
         pool_tokens = (num_pages - 1) * self.page_size

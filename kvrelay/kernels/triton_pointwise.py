@@ -115,12 +115,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 @_jit
 def _rms_norm_wide_kernel(
-    x_ptr, w_ptr, out_ptr, n_cols, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr, w_ptr, out_ptr, n_cols, x_stride, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     y = x * tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     if HAS_W:
         y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -135,12 +135,13 @@ def rms_norm_wide(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> t
     if x.dtype == torch.float64:
         raise ValueError("rms_norm_wide: float64 runs the torch reference")
     n = x.shape[-1]
-    x2 = x.contiguous().view(-1, n)
-    out = torch.empty_like(x2)
+    # rows may be strided (a column slice of a fused projection's output): read in place
+    x2 = x if x.dim() == 2 and x.stride(-1) == 1 else x.contiguous().view(-1, n)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(n)
     if x2.shape[0]:
         _rms_norm_wide_kernel[(x2.shape[0],)](
-            x2, weight if weight is not None else x2, out, n, eps,
+            x2, weight if weight is not None else x2, out, n, x2.stride(0), eps,
             HAS_W=weight is not None, BLOCK=block, num_warps=max(1, min(8, block // 256)),
         )  # fmt: skip
     return out.view(x.shape)

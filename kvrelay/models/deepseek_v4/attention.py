@@ -13,6 +13,7 @@ from torch import nn
 
 from kvrelay.models.deepseek_v4.compressor import QUANT_FP8, QUANT_NONE, Compressor
 from kvrelay.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
+from kvrelay.models.deepseek_v4.fused_projections import project_all
 from kvrelay.models.deepseek_v4.indexer import Indexer
 from kvrelay.models.deepseek_v4.norms import HeadNorm, RMSNorm
 from kvrelay.models.deepseek_v4.precision import wide_dtype
@@ -61,6 +62,7 @@ class Attention(nn.Module):
             self.n_heads * hd // c.o_groups, c.o_lora_rank, c.o_groups, dtype
         )
         self.o_b_proj = nn.Linear(c.o_groups * c.o_lora_rank, h, bias=False, dtype=dtype)
+        self.fused_in: torch.Tensor | None = None  # q_a and kv rows in one (fused_projections)
         self.sinks = nn.Parameter(torch.zeros(self.n_heads, dtype=wide_dtype(dtype)))
 
         self.compressor: Compressor | None = None
@@ -137,11 +139,12 @@ class Attention(nn.Module):
         """x [n, hidden] -> (q low-rank qr [n, q_lora], rotated q [n, H, D], the K = V row each
         token caches [n, D], QAT-rounded like the reference's cache)."""
         n = x.shape[0]
-        qr = self.q_a_norm(self.q_a_proj(x))
+        q_in, kv_in = project_all(x, self.fused_in, self.q_a_proj, self.kv_proj)
+        qr = self.q_a_norm(q_in)
         q = self.q_norm(self.q_b_proj(qr).view(n, self.n_heads, self.head_dim))
         q = apply_rope(q, cos, sin)
         # the cache holds the nope dims in FP8 under QAT, the RoPE dims in bf16
-        kv = rope_round_fp8(self.kv_norm(self.kv_proj(x)), cos, sin, self.nope_dim, self.qat)
+        kv = rope_round_fp8(self.kv_norm(kv_in), cos, sin, self.nope_dim, self.qat)
         return qr, q, kv
 
     def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from torch import nn
 
 from kvrelay.models.deepseek_v4.config import DeepseekV4Config
 from kvrelay.models.deepseek_v4.experts import clamped_swiglu, make_experts
+from kvrelay.models.deepseek_v4.fused_projections import project_all
 from kvrelay.models.deepseek_v4.fusion import fusable
 from kvrelay.models.deepseek_v4.precision import wide, wide_dtype, wide_weight
 
@@ -94,9 +95,11 @@ class SharedExpert(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=False, dtype=dtype)
         self.up_proj = nn.Linear(h, i, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(i, h, bias=False, dtype=dtype)
+        self.fused_gate_up: torch.Tensor | None = None  # both in one (fused_projections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu_down_input(self.gate_proj(x), self.up_proj(x), self.limit))
+        gate, up = project_all(x, self.fused_gate_up, self.gate_proj, self.up_proj)
+        return self.down_proj(swiglu_down_input(gate, up, self.limit))
 
 
 class MoE(nn.Module):
