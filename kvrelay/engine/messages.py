@@ -19,6 +19,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n >= 0: chosen token plus n top alternatives
+    # None: none; n >= 0: each prompt token's logprob (from the prefill) plus n top alternatives.
+    # With it, max_tokens may be 0: the request ends after its prefill (echo scoring).
+    prompt_logprobs: int | None = None
 
 
 class AddRequest(msgspec.Struct, tag=True):
@@ -45,6 +48,15 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     logprob: float
 
 
+class PromptLogprob(msgspec.Struct, array_like=True):
+    """A prompt token's logprob given the tokens before it, its rank (1: the most likely; ties
+    count, as in vLLM) and the top alternatives."""
+
+    logprob: float
+    rank: int
+    top: list[TokenLogprob]
+
+
 class RequestOutput(msgspec.Struct, array_like=True):
     rid: str
     token_ids: list[int]
@@ -55,6 +67,8 @@ class RequestOutput(msgspec.Struct, array_like=True):
     error: str | None = None
     num_prompt_tokens: int = 0
     cause: str | None = None  # PD failures: the cause (kvrelay.disagg.protocol.Cause)
+    # Prompt tokens 1..n-1 (token 0 has nothing before it), on a request's first output only.
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 class EngineStats(msgspec.Struct):

@@ -6,7 +6,7 @@ import enum
 
 import torch
 
-from kvrelay.engine.messages import SamplingParams
+from kvrelay.engine.messages import PromptLogprob, SamplingParams
 
 
 class Status(enum.Enum):
@@ -31,6 +31,8 @@ class Request:
         self.num_computed = 0  # tokens whose K/V sit in the cache
         self.generator: torch.Generator | None = None
         self.finish_reason: str | None = None
+        # Prompt logprobs so far (params.prompt_logprobs): entry p scores prompt token p + 1.
+        self.prompt_lp: list[PromptLogprob] = []
 
     @property
     def all_ids(self) -> list[int]:
