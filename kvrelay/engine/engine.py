@@ -60,10 +60,8 @@ class Engine:
                 f"prompt ({len(msg.prompt_ids)} tokens) + max_tokens ({p.max_tokens}) exceeds the "
                 f"maximum context length {self.max_model_len}"
             )
-        elif p.max_tokens < 1 and p.prompt_logprobs is None:
-            error = "max_tokens must be at least 1 (0 only with prompt logprobs)"
         elif p.max_tokens < 0:
-            error = "max_tokens must not be negative"
+            error = "max_tokens must not be negative (0: prefill only, e.g. for prompt logprobs)"
         elif max(msg.prompt_ids) >= self.src.config.vocab_size or min(msg.prompt_ids) < 0:
             error = "prompt contains token ids outside the vocabulary"
         elif msg.pd is not None and msg.pd.role != self.cfg.role:
@@ -190,7 +188,7 @@ class Engine:
             prompt_lp = None
             if req.params.prompt_logprobs is not None and not req.output_ids:
                 prompt_lp = req.prompt_lp  # complete: this step finished the prompt
-            if req.params.max_tokens == 0:  # scoring only: the prompt's logprobs are the answer
+            if req.params.max_tokens == 0:  # prefill only: the prompt's logprobs are the answer
                 self.scheduler.finish(req, "length")
                 outputs.append(
                     RequestOutput(

@@ -8,7 +8,7 @@ from kvrelay.disagg.protocol import PDParams
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: the request ends after its prefill (with prompt logprobs: scoring)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
@@ -20,7 +20,6 @@ class SamplingParams(msgspec.Struct, frozen=True):
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n >= 0: chosen token plus n top alternatives
     # None: none; n >= 0: each prompt token's logprob (from the prefill) plus n top alternatives.
-    # With it, max_tokens may be 0: the request ends after its prefill (echo scoring).
     prompt_logprobs: int | None = None
 
 
