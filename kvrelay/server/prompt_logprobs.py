@@ -21,21 +21,26 @@ import math
 from kvrelay.engine.messages import PromptLogprob
 from kvrelay.server.errors import bad_request
 from kvrelay.server.openai_format import token_text
+from kvrelay.server.schemas import CompletionRequest
 
 FLOOR = -9999.0  # a logprob of -inf as vLLM sends it (JSON has no infinity)
+
+
+def _echo(req) -> bool:
+    return isinstance(req, CompletionRequest) and req.echo  # (chat: an unknown extra field)
 
 
 def wanted(req) -> int | None:
     """Top alternatives per prompt token the request needs (None: no prompt logprobs)."""
     k = getattr(req, "prompt_logprobs", None)
-    if getattr(req, "echo", False) and getattr(req, "logprobs", None) is not None:
+    if _echo(req) and req.logprobs is not None:
         k = max(k or 0, req.logprobs)  # completions: logprobs is the number of alternatives
     return k
 
 
 def check(req, pd: bool = False) -> None:
     """400s for what cannot be answered (`pd`: the request goes through the PD router)."""
-    if getattr(req, "max_tokens", None) == 0 and not getattr(req, "echo", False):
+    if getattr(req, "max_tokens", None) == 0 and not _echo(req):
         raise bad_request("max_tokens must be at least 1 (0 only with echo)", "max_tokens")
     if getattr(req, "prompt_logprobs", None) is not None and req.stream:
         raise bad_request("prompt_logprobs is not available with stream=true", "prompt_logprobs")
