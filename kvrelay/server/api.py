@@ -287,7 +287,9 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             "usage": fmt.usage(len(prompt_ids), gen.completion_tokens),
         }
         if req.prompt_logprobs is not None:  # vLLM puts them beside the choices on chat
-            body["prompt_logprobs"] = plp.vllm(state.tokenizer, prompt_ids, plp.first(deltas))
+            body["prompt_logprobs"] = await asyncio.to_thread(
+                plp.vllm, state.tokenizer, prompt_ids, plp.first(deltas)
+            )
         return body
 
     @app.post("/v1/completions")
@@ -329,10 +331,15 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             "finish_reason": deltas[-1].finish_reason,
             "logprobs": None,
         }
+        # Off the event loop: a long prompt's entries take a while to decode and shape.
         if req.logprobs is not None:
-            choice["logprobs"] = _completion_logprobs(req, deltas, len(echo), prompt_ids, True)
+            choice["logprobs"] = await asyncio.to_thread(
+                _completion_logprobs, req, deltas, len(echo), prompt_ids, True
+            )
         if req.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = plp.vllm(state.tokenizer, prompt_ids, plp.first(deltas))
+            choice["prompt_logprobs"] = await asyncio.to_thread(
+                plp.vllm, state.tokenizer, prompt_ids, plp.first(deltas)
+            )
         return {
             "id": rid,
             "object": "text_completion",

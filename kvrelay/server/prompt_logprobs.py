@@ -20,7 +20,6 @@ import math
 
 from kvrelay.engine.messages import PromptLogprob
 from kvrelay.server.errors import bad_request
-from kvrelay.server.openai_format import token_text
 from kvrelay.server.schemas import CompletionRequest
 
 FLOOR = -9999.0  # a logprob of -inf as vLLM sends it (JSON has no infinity)
@@ -62,44 +61,41 @@ def first(deltas) -> list[PromptLogprob] | None:
     return next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
 
 
+def _texts(tokenizer, prompt_ids: list[int], entries: list[PromptLogprob]) -> dict[int, str]:
+    """Each token's text, decoded once per distinct id (in one batch: a long prompt has many)."""
+    ids = set(prompt_ids) | {a.token_id for e in entries for a in e.top}
+    order = sorted(ids)
+    texts = tokenizer.batch_decode([[i] for i in order], skip_special_tokens=False)
+    return dict(zip(order, texts, strict=True))
+
+
 def legacy(tokenizer, prompt_ids: list[int], entries: list[PromptLogprob], k: int) -> dict:
     """The prompt's part of a legacy completions `logprobs` object (offsets from 0 in the echo)."""
-    tokens, lps, tops, offsets = [], [], [], []
-    pos = 0
-    for i, tok in enumerate(prompt_ids):
-        text = token_text(tokenizer, tok)
-        tokens.append(text)
+    text = _texts(tokenizer, prompt_ids, entries)
+    tokens = [text[t] for t in prompt_ids]
+    offsets, pos = [], 0
+    for t in tokens:
         offsets.append(pos)
-        pos += len(text)
-        if i == 0:
-            lps.append(None)
-            tops.append(None)
-            continue
-        e = entries[i - 1]
-        lps.append(_finite(e.logprob))
-        tops.append({token_text(tokenizer, a.token_id): _finite(a.logprob) for a in e.top[:k]})
+        pos += len(t)
+    lps: list[float | None] = [None] + [_finite(e.logprob) for e in entries]
+    tops: list[dict | None] = [None] + [
+        {text[a.token_id]: _finite(a.logprob) for a in e.top[:k]} for e in entries
+    ]
+    if len(lps) != len(tokens):
+        raise ValueError(f"{len(entries)} prompt logprobs for a prompt of {len(tokens)} tokens")
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 def vllm(tokenizer, prompt_ids: list[int], entries: list[PromptLogprob]) -> list[dict | None]:
     """vLLM's `prompt_logprobs`: [null, {token_id: {logprob, rank, decoded_token}}, ...]."""
+    text = _texts(tokenizer, prompt_ids, entries)
     out: list[dict | None] = [None]
     for tok, e in zip(prompt_ids[1:], entries, strict=True):
-        d = {
-            str(tok): {
-                "logprob": _finite(e.logprob),
-                "rank": e.rank,
-                "decoded_token": token_text(tokenizer, tok),
-            }
-        }
+        d = {str(tok): {"logprob": _finite(e.logprob), "rank": e.rank, "decoded_token": text[tok]}}
         for rank, a in enumerate(e.top, 1):
             d.setdefault(
                 str(a.token_id),
-                {
-                    "logprob": _finite(a.logprob),
-                    "rank": rank,
-                    "decoded_token": token_text(tokenizer, a.token_id),
-                },
+                {"logprob": _finite(a.logprob), "rank": rank, "decoded_token": text[a.token_id]},
             )
         out.append(d)
     return out
