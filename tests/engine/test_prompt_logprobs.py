@@ -17,6 +17,7 @@ import torch
 from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvrelay.engine.engine import Engine, generate
 from kvrelay.engine.messages import SamplingParams
+from kvrelay.engine.scheduler import Scheduler
 from kvrelay.weights.loader import resolve
 
 TOL = 1e-4
@@ -145,21 +146,31 @@ def _dsv4(max_tokens: int, budget: int) -> Engine:
     return Engine(cfg, src)
 
 
-def test_dsv4_chunked_and_preempted_match_full_forward() -> None:
-    # 12 usable pages of 16 tokens for four requests: one is preempted and recomputed; prompts
-    # prefill in 16-token chunks beside the others' decode steps.
+def test_dsv4_chunked_and_preempted_match_full_forward(monkeypatch) -> None:
+    # 12 usable pages of 16 tokens: while two short requests decode and grow, the 100-token
+    # prompt (16-token chunks) is preempted mid-prefill and recomputed; its entries must not be
+    # scored twice or lost.
     eng = _dsv4(max_tokens=192, budget=16)
+    victims = []
+    preempt = Scheduler._preempt_newest
+
+    def spy(self):
+        v = preempt(self)
+        victims.append((len(v.prompt_lp), len(v.output_ids)))
+        return v
+
+    monkeypatch.setattr(Scheduler, "_preempt_newest", spy)
     vocab = eng.src.config.vocab_size
-    prompts = [_ids(n, 5 + i, vocab) for i, n in enumerate((40, 60, 50, 30))]
-    p = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, prompt_logprobs=K)
+    prompts = [_ids(n, 5 + i, vocab) for i, n in enumerate((30, 30, 100))]
+    p = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, prompt_logprobs=K)
     plain = msgspec.structs.replace(p, prompt_logprobs=None)
-    outs = generate(eng, prompts, [p, plain, p, p])
-    assert eng.scheduler.num_preemptions > 0
-    for i in (0, 2, 3):
+    outs = generate(eng, prompts, [plain, p, p])
+    assert any(0 < lp < 99 and out == 0 for lp, out in victims), victims  # mid-prefill
+    for i in (1, 2):
         ref = _reference(eng.runner.model(torch.tensor(prompts[i])), prompts[i])
         _check(outs[i][0].prompt_logprobs, ref)
         assert all(o.prompt_logprobs is None for o in outs[i][1:])
-    assert all(o.prompt_logprobs is None for o in outs[1])
-    alone = generate(eng, [prompts[1]], plain)[0]
-    assert [t for o in outs[1] for t in o.token_ids] == [t for o in alone for t in o.token_ids]
+    assert all(o.prompt_logprobs is None for o in outs[0])
+    alone = generate(eng, [prompts[0]], plain)[0]
+    assert [t for o in outs[0] for t in o.token_ids] == [t for o in alone for t in o.token_ids]
     eng.check_idle_integrity()
