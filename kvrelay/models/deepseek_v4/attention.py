@@ -16,7 +16,7 @@ from kvrelay.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
 from kvrelay.models.deepseek_v4.indexer import Indexer
 from kvrelay.models.deepseek_v4.norms import HeadNorm, RMSNorm
 from kvrelay.models.deepseek_v4.precision import wide_dtype
-from kvrelay.models.deepseek_v4.qat import fake_quant_fp8_ue8m0
+from kvrelay.models.deepseek_v4.qat import rope_round_fp8
 from kvrelay.models.deepseek_v4.rope import RopeTable, apply_rope
 from kvrelay.models.deepseek_v4.sparse_attention import sparse_attention
 from kvrelay.models.deepseek_v4.state import LayerState
@@ -139,11 +139,8 @@ class Attention(nn.Module):
         qr = self.q_a_norm(self.q_a_proj(x))
         q = self.q_norm(self.q_b_proj(qr).view(n, self.n_heads, self.head_dim))
         q = apply_rope(q, cos, sin)
-        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
-        if self.qat:  # the cache holds the nope dims in FP8, the RoPE dims in bf16
-            kv = torch.cat(
-                (fake_quant_fp8_ue8m0(kv[:, : self.nope_dim], 64), kv[:, self.nope_dim :]), 1
-            )
+        # the cache holds the nope dims in FP8 under QAT, the RoPE dims in bf16
+        kv = rope_round_fp8(self.kv_norm(self.kv_proj(x)), cos, sin, self.nope_dim, self.qat)
         return qr, q, kv
 
     def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

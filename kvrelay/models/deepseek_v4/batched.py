@@ -11,6 +11,7 @@ import torch
 
 from kvrelay.layers.step_profile import StepProfiler
 from kvrelay.models.deepseek_v4.batch_meta import BatchMeta, StepIndex
+from kvrelay.models.deepseek_v4.fusion import fused_glue
 from kvrelay.models.deepseek_v4.layer import LayerKernels
 from kvrelay.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from kvrelay.models.deepseek_v4.pooled_attention import AttentionOps, pooled_attention
@@ -33,13 +34,14 @@ def forward_batched(
     replacements of the blocks' torch ops (None: torch)."""
     m = model.model
     index = StepIndex(meta, m.config.sliding_window)
-    x = m.embed_tokens(input_ids)
-    streams = x[:, None, :].expand(-1, m.config.hc_mult, -1).contiguous()
-    for i, layer in enumerate(m.layers):
+    with fused_glue(kernels is not None):  # the Triton path compiles the glue between kernels
+        x = m.embed_tokens(input_ids)
+        streams = x[:, None, :].expand(-1, m.config.hc_mult, -1).contiguous()
+        for i, layer in enumerate(m.layers):
 
-        def attend(xn: torch.Tensor, i: int = i, layer=layer) -> torch.Tensor:
-            return pooled_attention(layer.self_attn, xn, i, meta, index, pool, ops)
+            def attend(xn: torch.Tensor, i: int = i, layer=layer) -> torch.Tensor:
+                return pooled_attention(layer.self_attn, xn, i, meta, index, pool, ops)
 
-        streams = layer.run(streams, input_ids, attend, profile, kernels)
-    hidden = m.norm(m.hc_head(streams[sample_rows]))
-    return model.lm_head(hidden) if head else hidden
+            streams = layer.run(streams, input_ids, attend, profile, kernels)
+        hidden = m.norm(m.hc_head(streams[sample_rows]))
+        return model.lm_head(hidden) if head else hidden

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrelay.models.deepseek_v4.norms import RMSNorm
-from kvrelay.models.deepseek_v4.precision import wide, wide_dtype
-from kvrelay.models.deepseek_v4.qat import fake_quant_fp4, fake_quant_fp8_ue8m0, hadamard
+from kvrelay.models.deepseek_v4.precision import wide, wide_dtype, wide_weight
+from kvrelay.models.deepseek_v4.qat import hadamard_fp4, rope_round_fp8
 from kvrelay.models.deepseek_v4.rope import RopeTable, apply_rope
 from kvrelay.models.deepseek_v4.state import CompressorState
 
@@ -64,9 +64,9 @@ class Compressor(nn.Module):
             raise ValueError("compressor state does not end where the new tokens start")
         xw = wide(x)
         # projections and gates in fp32 like the reference (weights may be bf16)
-        kv = F.linear(xw, self.kv_proj.weight.to(xw.dtype))
+        kv = F.linear(xw, wide_weight(self.kv_proj.weight))
         slot = torch.arange(start, start + n, device=x.device) % r
-        score = F.linear(xw, self.gate_proj.weight.to(xw.dtype)) + self.position_bias[slot]
+        score = F.linear(xw, wide_weight(self.gate_proj.weight)) + self.position_bias[slot]
         kv_all = torch.cat((state.pending_kv, kv))
         score_all = torch.cat((state.pending_score, score))
         m = kv_all.shape[0] // r
@@ -104,10 +104,7 @@ class Compressor(nn.Module):
         """Norm, rotate at the window's first token, and round like the cache would."""
         entries = self.kv_norm(pooled)
         cos, sin = self.rope.cos_sin(positions, pooled.dtype)
-        entries = apply_rope(entries, cos, sin)
-        if self.quant == QUANT_FP8:
-            nope = self.dim - self.rope_dim
-            entries = torch.cat((fake_quant_fp8_ue8m0(entries[:, :nope], 64), entries[:, nope:]), 1)
-        elif self.quant == QUANT_FP4:
-            entries = fake_quant_fp4(hadamard(entries), 32)
-        return entries
+        if self.quant == QUANT_FP4:
+            return hadamard_fp4(apply_rope(entries, cos, sin))
+        nope = self.dim - self.rope_dim
+        return rope_round_fp8(entries, cos, sin, nope, self.quant == QUANT_FP8)

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrelay.models.deepseek_v4.compressor import QUANT_FP4, QUANT_NONE, Compressor
-from kvrelay.models.deepseek_v4.precision import wide
-from kvrelay.models.deepseek_v4.qat import fake_quant_fp4, hadamard
+from kvrelay.models.deepseek_v4.precision import wide, wide_weight
+from kvrelay.models.deepseek_v4.qat import hadamard_fp4
 from kvrelay.models.deepseek_v4.rope import RopeTable, apply_rope
 
 _QUERY_BLOCK = 256  # bounds the [queries, heads, entries] score tensor
@@ -79,9 +79,9 @@ class Indexer(Compressor):
         h, d = self.n_heads, self.dim
         q = apply_rope(self.q_b_proj(qr).view(-1, h, d), cos, sin)
         if self.quant == QUANT_FP4:
-            q = fake_quant_fp4(hadamard(q), 32)
+            q = hadamard_fp4(q)
         xw = wide(x)
-        w = F.linear(xw, self.scorer.weights_proj.weight.to(xw.dtype)) * (d**-0.5 * h**-0.5)
+        w = F.linear(xw, wide_weight(self.scorer.weights_proj.weight)) * (d**-0.5 * h**-0.5)
         return q, w
 
     def select(

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvrelay.models.deepseek_v4.fusion import fusable
 from kvrelay.models.deepseek_v4.precision import wide, wide_dtype
 
 
@@ -23,11 +24,30 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return c
 
 
+@fusable
 def _stream_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """(flatten(X) . fn^T) * rsqrt(mean(flatten(X)^2) + eps), in the wide dtype."""
     flat = wide(streams).flatten(-2)
     rms = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
     return F.linear(flat, fn.to(flat.dtype)) * rms
+
+
+@fusable
+def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """sum_i pre_i * X_i: the sub-layer's input [T, D] from the streams [T, n, D]."""
+    return (pre[..., None] * wide(streams)).sum(dim=1).to(streams.dtype)
+
+
+@fusable
+def merge_streams(
+    out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    """X'_j = post_j * out + sum_i comb[i, j] * X_i (comb is applied transposed)."""
+    w, c = wide(streams), comb.to(wide_dtype(streams.dtype))
+    mixed = c[:, 0, :, None] * w[:, None, 0]  # a sum over the n streams, written out so that
+    for i in range(1, w.shape[1]):  # the compiled form is one kernel (einsum would be a bmm)
+        mixed = mixed + c[:, i, :, None] * w[:, None, i]
+    return (post.to(w.dtype)[..., None] * wide(out)[:, None, :] + mixed).to(streams.dtype)
 
 
 class HyperConnection(nn.Module):
@@ -61,8 +81,7 @@ class HyperConnection(nn.Module):
             )
         else:
             pre, post, comb = self.gates(mix)
-        collapsed = (pre[..., None] * wide(streams)).sum(dim=1).to(streams.dtype)
-        return collapsed, post, comb
+        return collapse(pre, streams), post, comb
 
     def gates(self, mix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The stream-mix projection [T, (2+n)*n] -> pre [T, n], post [T, n], comb [T, n, n]."""
@@ -73,14 +92,7 @@ class HyperConnection(nn.Module):
         comb_logits = (mix[:, 2 * n :] * scale[2] + base[2 * n :]).unflatten(-1, (n, n))
         return pre, post, sinkhorn(comb_logits, self.iters, self.hc_eps)
 
-    @staticmethod
-    def merge(
-        out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
-    ) -> torch.Tensor:
-        """X'_j = post_j * out + sum_i comb[i, j] * X_i (comb is applied transposed)."""
-        w = wide(streams)
-        mixed = torch.einsum("tij,tid->tjd", comb.to(w.dtype), w)
-        return (post.to(w.dtype)[..., None] * wide(out)[:, None, :] + mixed).to(streams.dtype)
+    merge = staticmethod(merge_streams)
 
 
 class HyperHead(nn.Module):

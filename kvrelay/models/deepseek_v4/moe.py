@@ -11,7 +11,48 @@ from torch import nn
 
 from kvrelay.models.deepseek_v4.config import DeepseekV4Config
 from kvrelay.models.deepseek_v4.experts import clamped_swiglu, make_experts
-from kvrelay.models.deepseek_v4.precision import wide, wide_dtype
+from kvrelay.models.deepseek_v4.fusion import fusable
+from kvrelay.models.deepseek_v4.precision import wide, wide_dtype, wide_weight
+
+
+@fusable
+def route(
+    logits: torch.Tensor,
+    hashed: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    top_k: int,
+    scoring_func: str,
+    norm_topk_prob: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate logits [n, E] -> (weights [n, k] wide, expert indices [n, k]): the hash table's
+    experts (`hashed`), or the top-k of the bias-corrected scores."""
+    if scoring_func == "sqrtsoftplus":
+        scores = F.softplus(logits).sqrt()
+    elif scoring_func == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        scores = logits.softmax(dim=-1)
+    if hashed is not None:
+        idx = hashed
+    else:
+        idx = (scores + bias.to(scores.dtype)).topk(top_k, dim=-1).indices
+    weights = scores.gather(1, idx)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * scale, idx
+
+
+@fusable
+def swiglu_down_input(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """The shared expert's activation, computed wide and returned in the model dtype."""
+    return clamped_swiglu(wide(gate), wide(up), limit).to(gate.dtype)
+
+
+@fusable
+def add_wide(routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """routed (wide) + shared, summed wide and returned in the shared output's dtype."""
+    return (routed + wide(shared)).to(shared.dtype)
 
 
 class Router(nn.Module):
@@ -36,22 +77,13 @@ class Router(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [n, hidden] -> (weights [n, k] wide, expert indices [n, k])."""
         xw = wide(x)
-        logits = F.linear(xw, self.weight.to(xw.dtype))  # the gate runs in fp32
-        if self.scoring_func == "sqrtsoftplus":
-            scores = F.softplus(logits).sqrt()
-        elif self.scoring_func == "sigmoid":
-            scores = logits.sigmoid()
-        else:
-            scores = logits.softmax(dim=-1)
-        if self.hash_routed:
-            idx = self.tid2eid[input_ids].long()
-        else:
-            biased = scores + self.e_score_correction_bias.to(scores.dtype)
-            idx = biased.topk(self.top_k, dim=-1).indices
-        weights = scores.gather(1, idx)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights * self.routed_scaling_factor, idx
+        logits = F.linear(xw, wide_weight(self.weight))  # the gate runs in fp32
+        hashed = self.tid2eid[input_ids].long() if self.hash_routed else None
+        bias = None if self.hash_routed else self.e_score_correction_bias
+        return route(
+            logits, hashed, bias, self.top_k, self.scoring_func, self.norm_topk_prob,
+            self.routed_scaling_factor,
+        )  # fmt: skip
 
 
 class SharedExpert(nn.Module):
@@ -64,8 +96,7 @@ class SharedExpert(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = clamped_swiglu(wide(self.gate_proj(x)), wide(self.up_proj(x)), self.limit)
-        return self.down_proj(act.to(x.dtype))
+        return self.down_proj(swiglu_down_input(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
 class MoE(nn.Module):
@@ -87,4 +118,4 @@ class MoE(nn.Module):
             routed = experts_fn(x, weights, idx, self.experts)
         else:
             routed = self.experts(x, weights, idx)
-        return (routed + wide(self.shared_experts(x))).to(x.dtype)
+        return add_wide(routed, self.shared_experts(x))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from kvrelay.models.deepseek_v4.batch_meta import BatchMeta, Closers
 from kvrelay.models.deepseek_v4.compressor import Compressor
-from kvrelay.models.deepseek_v4.precision import wide
+from kvrelay.models.deepseek_v4.precision import wide, wide_weight
 
 
 def pool_windows_reference(
@@ -103,9 +103,9 @@ def compress_step(
     `pool_windows`: the reference above or its Triton kernel."""
     r, d = comp.ratio, comp.dim
     xw = wide(x)
-    kv = F.linear(xw, comp.kv_proj.weight.to(xw.dtype))
+    kv = F.linear(xw, wide_weight(comp.kv_proj.weight))
     score = (
-        F.linear(xw, comp.gate_proj.weight.to(xw.dtype)) + comp.position_bias[meta.positions % r]
+        F.linear(xw, wide_weight(comp.gate_proj.weight)) + comp.position_bias[meta.positions % r]
     )
     cl = meta.closers[r]
     pooled, first_half = pool_windows(

@@ -12,3 +12,18 @@ def wide_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def wide(x: torch.Tensor) -> torch.Tensor:
     return x.to(wide_dtype(x.dtype))
+
+
+def wide_weight(w: torch.Tensor) -> torch.Tensor:
+    """A weight in the wide dtype for the projections the reference runs in fp32 (compressor,
+    router, indexer weights). The copy is kept on the weight and made again only when the
+    weight changes in place (a load), so a step does not cast the same weight on every call."""
+    wd = wide_dtype(w.dtype)
+    if w.dtype == wd:
+        return w
+    key = (w.data_ptr(), w._version, w.device)
+    cached = getattr(w, "_kvrelay_wide", None)
+    if cached is None or cached[0] != key:
+        cached = (key, w.detach().to(wd))
+        w._kvrelay_wide = cached
+    return cached[1]

@@ -12,7 +12,9 @@ import math
 
 import torch
 
+from kvrelay.models.deepseek_v4.fusion import fusable
 from kvrelay.models.deepseek_v4.precision import wide
+from kvrelay.models.deepseek_v4.rope import apply_rope
 
 _FP8_MAX = 448.0
 _FP4_MAX = 6.0
@@ -26,13 +28,20 @@ def _ue8m0_scale(
     """Blocks of `block` along the last dim and their power-of-two scales (amax / qmax rounded up)."""
     blocks = wide(x).unflatten(-1, (-1, block))
     amax = blocks.abs().amax(dim=-1, keepdim=True).clamp(min=amax_floor)
-    return blocks, torch.exp2(torch.ceil(torch.log2(amax / qmax)))
+    scale = torch.exp2(torch.ceil(torch.log2(amax / qmax)))
+    # The estimate is exact with IEEE division and log2; compiled (approximate) division or
+    # log2 can land one power of two off where amax / qmax is a power of two. Products of a
+    # power of two and qmax are exact, so these two steps make it the smallest power of two
+    # with scale * qmax >= amax in any case.
+    scale = torch.where(scale * qmax < amax, scale * 2, scale)
+    return blocks, torch.where(scale * (0.5 * qmax) >= amax, scale * 0.5, scale)
 
 
 def fake_quant_fp8_ue8m0(x: torch.Tensor, block: int = 64) -> torch.Tensor:
     """Round to FP8 e4m3 with one ue8m0 (power-of-two) scale per `block` values."""
     blocks, scale = _ue8m0_scale(x, block, _FP8_MAX, 1e-4)
-    q = (blocks / scale).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).to(blocks.dtype)
+    inv = 1.0 / scale  # exact (a power of two), and so is the product
+    q = (blocks * inv).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).to(blocks.dtype)
     return (q * scale).flatten(-2).to(x.dtype)
 
 
@@ -53,7 +62,7 @@ def _round_e2m1(v: torch.Tensor) -> torch.Tensor:
 def fake_quant_fp4(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """Round to FP4 e2m1 with one ue8m0 scale per `block` values."""
     blocks, scale = _ue8m0_scale(x, block, _FP4_MAX, _FP4_MAX * 2.0**-126)
-    return (_round_e2m1(blocks / scale) * scale).flatten(-2).to(x.dtype)
+    return (_round_e2m1(blocks * (1.0 / scale)) * scale).flatten(-2).to(x.dtype)
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
@@ -69,3 +78,22 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
         y = torch.stack((a + b, a - b), dim=-2).flatten(-3)
         h *= 2
     return (y * (1.0 / math.sqrt(n))).to(x.dtype)
+
+
+@fusable
+def rope_round_fp8(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nope_dim: int, qat: bool
+) -> torch.Tensor:
+    """A cache row [n, D] as the reference's cache holds it: rotated, and with QAT the nope dims
+    rounded to FP8 (ue8m0 scale per 64) while the RoPE dims stay in the model dtype."""
+    x = apply_rope.eager(x, cos, sin)
+    if not qat:
+        return x
+    return torch.cat((fake_quant_fp8_ue8m0(x[:, :nope_dim], 64), x[:, nope_dim:]), 1)
+
+
+@fusable
+def hadamard_fp4(x: torch.Tensor) -> torch.Tensor:
+    """Index keys and queries as the reference's FP4 index cache sees them: Hadamard-rotated,
+    then rounded to FP4 with a ue8m0 scale per 32."""
+    return fake_quant_fp4(hadamard(x), 32)

@@ -7,6 +7,7 @@ import math
 import torch
 
 from kvrelay.models.deepseek_v4.config import SLIDING, DeepseekV4Config
+from kvrelay.models.deepseek_v4.fusion import fusable
 from kvrelay.models.deepseek_v4.precision import wide, wide_dtype
 
 
@@ -77,6 +78,7 @@ class RopeTable:
         return angles.cos(), angles.sin()
 
 
+@fusable
 def apply_rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
 ) -> torch.Tensor:
