@@ -32,6 +32,7 @@ from starlette.background import BackgroundTask
 from kvrelay.config import RouterConfig
 from kvrelay.disagg.handshake import PD_AUTH_HEADER, request_token
 from kvrelay.disagg.protocol import pd_status
+from kvrelay.server import prompt_logprobs
 from kvrelay.server.errors import install_error_handlers
 from kvrelay.server.guard import HttpGuard
 from kvrelay.server.openapi_doc import document_bodies
@@ -407,7 +408,7 @@ def create_router_app(cfg: RouterConfig, on_ready=None) -> FastAPI:
         """The client's body, validated as the servers will (a 400 here costs no pair)."""
         body = parse_json(await request.body())
         body.pop("kvrelay_pd", None)  # only the router sets it
-        validate(schema, body)
+        prompt_logprobs.check(validate(schema, body), pd=True)  # a 400, not a silent drop
         return body
 
     @app.post("/v1/chat/completions")

@@ -12,6 +12,8 @@ from kvrelay.cache.dsv4_pool import DeepseekV4CachePool, dsv4_page_size
 from kvrelay.cache.paging import pages_for
 from kvrelay.config import EngineConfig
 from kvrelay.disagg.layout import PAGE, SLOT, CacheKind
+from kvrelay.engine import prompt_logprobs
+from kvrelay.engine.prompt_logprobs import PromptRows, StepLogits
 from kvrelay.engine.runner import cache_budget, pick_device, pick_dtype
 from kvrelay.engine.scheduler import ScheduledRequest
 from kvrelay.layers.step_profile import StepProfiler
@@ -120,31 +122,53 @@ class DeepseekV4Runner:
         """Logits [N, V] (float32) of the batch's sampling rows in order (every row if
         `all_rows`: tests compare whole chunks with the full-sequence forward); `profile` times
         the step's components."""
-        if self.reference:
-            return self._forward_reference(batch, profile, all_rows)
-        if self._graphable(batch, profile, all_rows):
-            return self.graphs.run(
+        return self._run(batch, profile, all_rows, None).logits
+
+    @torch.inference_mode()
+    def forward_step(
+        self, batch: list[ScheduledRequest], profile: StepProfiler | None = None
+    ) -> StepLogits:
+        """The sampling rows' logits, and the prompt logprobs of the requests that ask for them
+        (their rows' hidden states from the same forward, through the head)."""
+        return self._run(batch, profile, False, prompt_logprobs.plan(batch))
+
+    def _run(self, batch, profile, all_rows: bool, rows: PromptRows | None) -> StepLogits:
+        if rows is None and self._graphable(batch, profile, all_rows):
+            logits = self.graphs.run(
                 [s.req.token_slice(s.req.num_computed, s.req.num_computed + 1)[0] for s in batch],
                 [s.req.num_computed for s in batch],
                 [s.req.pages for s in batch],
                 [s.req.state_slot for s in batch],
-            ).float()
+            )
+            return StepLogits(logits.float(), [])
         ids, sample_rows = _ids_and_sample_rows(batch, all_rows)
-        meta = build_meta(
-            [s.req.num_computed for s in batch],
-            [s.num_new_tokens for s in batch],
-            [s.req.pages for s in batch],
-            [s.req.state_slot for s in batch],
-            self.ratios,
-            self.page_size,
-            self.device,
-        )
+        n = len(sample_rows)
+        # Prompt-logprob rows ride along: the forward returns their hidden states too.
+        wanted = sample_rows + (rows.rows if rows is not None else [])
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
-        rows_t = torch.tensor(sample_rows, dtype=torch.long).to(self.device, non_blocking=True)
-        logits = forward_batched(
-            self.model, input_ids, meta, self.cache, rows_t, self.ops, self.kernels, profile
-        )
-        return logits.float()
+        rows_t = torch.tensor(wanted, dtype=torch.long).to(self.device, non_blocking=True)
+        if self.reference:
+            hidden = self._hidden_reference(batch, input_ids, rows_t, profile)
+        else:
+            meta = build_meta(
+                [s.req.num_computed for s in batch],
+                [s.num_new_tokens for s in batch],
+                [s.req.pages for s in batch],
+                [s.req.state_slot for s in batch],
+                self.ratios,
+                self.page_size,
+                self.device,
+            )
+            hidden = forward_batched(
+                self.model, input_ids, meta, self.cache, rows_t, self.ops, self.kernels, profile,
+                head=False,
+            )  # fmt: skip
+        head = self.model.lm_head
+        logits = head(hidden[:n]).float()
+        if rows is None:
+            return StepLogits(logits, [])
+        vocab = self.model_cfg.vocab_size
+        return StepLogits(logits, prompt_logprobs.score(hidden[n:], head, vocab, rows))
 
     def _graphable(self, batch, profile, all_rows: bool) -> bool:
         """A decode step (one sampled token per request) that a captured graph covers; profiled
@@ -157,8 +181,8 @@ class DeepseekV4Runner:
             and self.graphs.can_run(max(s.req.num_computed for s in batch) + 1, len(batch))
         )
 
-    def _forward_reference(self, batch, profile, all_rows: bool) -> torch.Tensor:
-        ids, sample_rows = _ids_and_sample_rows(batch, all_rows)
+    def _hidden_reference(self, batch, input_ids, rows_t, profile) -> torch.Tensor:
+        """The oracle path (per-sequence attention): final hidden states of the rows `rows_t`."""
         seqs: list[PagedSequence] = []
         first = 0
         for s in batch:
@@ -167,12 +191,9 @@ class DeepseekV4Runner:
             rows = slice(first, first + s.num_new_tokens)
             seqs.append(PagedSequence(rows, r.num_computed, pages, r.state_slot))
             first = rows.stop
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        rows_t = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        logits = forward_paged(
-            self.model, input_ids, seqs, self.cache, rows_t, self.layer_hook, profile
+        return forward_paged(
+            self.model, input_ids, seqs, self.cache, rows_t, self.layer_hook, profile, head=False
         )
-        return logits.float()
 
 
 def _ids_and_sample_rows(batch: list[ScheduledRequest], all_rows: bool):

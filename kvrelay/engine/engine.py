@@ -65,12 +65,16 @@ class Engine:
                 f"prompt ({len(msg.prompt_ids)} tokens) + max_tokens ({p.max_tokens}) exceeds the "
                 f"maximum context length {self.max_model_len}"
             )
-        elif p.max_tokens < 1:
-            error = "max_tokens must be at least 1"
+        elif p.max_tokens < 0:
+            error = "max_tokens must not be negative (0: prefill only, e.g. for prompt logprobs)"
         elif max(msg.prompt_ids) >= self.src.config.vocab_size or min(msg.prompt_ids) < 0:
             error = "prompt contains token ids outside the vocabulary"
         elif msg.pd is not None and msg.pd.role != self.cfg.role:
             error = f"this server's role is {self.cfg.role}; it cannot take a {msg.pd.role} request"
+        elif msg.pd is not None and (p.prompt_logprobs is not None or p.max_tokens < 1):
+            error = (
+                "prompt logprobs (echo with logprobs, prompt_logprobs) are not supported in PD mode"
+            )
         if error:
             self._pending.append(RequestOutput(msg.rid, [], finish_reason="rejected", error=error))
             if msg.pd is not None and self.agent is not None:
@@ -172,10 +176,10 @@ class Engine:
                 raise RuntimeError(
                     "CUDA error: an illegal memory access was encountered (test fault)"
                 )
-            logits = self.runner.forward(batch, profile)
+            step = self.runner.forward_step(batch, profile)
             sampling = [s.req for s in batch if s.samples]
             result = sample(
-                logits,
+                step.logits,
                 [r.params for r in sampling],
                 [r.output_ids for r in sampling],
                 [r.generator for r in sampling],
@@ -195,9 +199,26 @@ class Engine:
                 profile.finish(self.last_step_ms)  # drops the broken step's regions
             return StepOutputs(outputs, self.stats())
         self.failed_steps = 0
+        for req, entries in step.prompt:
+            req.prompt_lp += entries
         self.scheduler.advance(batch)
         fault = self._fault_active(len(batch))
         for i, req in enumerate(sampling):
+            prompt_lp = None
+            if req.params.prompt_logprobs is not None and not req.output_ids:
+                prompt_lp = req.prompt_lp  # complete: this step finished the prompt
+            if req.params.max_tokens == 0:  # prefill only: the prompt's logprobs are the answer
+                self.scheduler.finish(req, "length")
+                outputs.append(
+                    RequestOutput(
+                        req.rid,
+                        [],
+                        finish_reason="length",
+                        num_prompt_tokens=len(req.prompt_ids),
+                        prompt_logprobs=prompt_lp,
+                    )
+                )
+                continue
             tok = result.token_ids[i]
             if fault and self._rng.random() < self.cfg.fault_swap_token_p:
                 tok = (tok + 1) % self.src.config.vocab_size
@@ -207,6 +228,7 @@ class Engine:
                 logprobs=None if result.logprobs[i] is None else [result.logprobs[i]],
                 top_logprobs=None if result.top_logprobs[i] is None else [result.top_logprobs[i]],
                 num_prompt_tokens=len(req.prompt_ids),
+                prompt_logprobs=prompt_lp,
             )
             if self.agent is not None and self.agent.role == "prefill":
                 with timed(profile, COMMUNICATION):

@@ -8,7 +8,7 @@ from kvrelay.disagg.protocol import PDParams
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: the request ends after its prefill (with prompt logprobs: scoring)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
@@ -21,6 +21,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     logprobs: int | None = None  # None: none; n >= 0: chosen token plus n top alternatives
     # llguidance grammar (its serialized text) the output must match; None: unconstrained.
     grammar: str | None = None
+    # None: none; n >= 0: each prompt token's logprob (from the prefill) plus n top alternatives.
+    prompt_logprobs: int | None = None
 
 
 class AddRequest(msgspec.Struct, tag=True):
@@ -47,6 +49,15 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     logprob: float
 
 
+class PromptLogprob(msgspec.Struct, array_like=True):
+    """A prompt token's logprob given the tokens before it, its rank (1: the most likely; ties
+    count, as in vLLM) and the top alternatives."""
+
+    logprob: float
+    rank: int
+    top: list[TokenLogprob]
+
+
 class RequestOutput(msgspec.Struct, array_like=True):
     rid: str
     token_ids: list[int]
@@ -57,6 +68,8 @@ class RequestOutput(msgspec.Struct, array_like=True):
     error: str | None = None
     num_prompt_tokens: int = 0
     cause: str | None = None  # PD failures: the cause (kvrelay.disagg.protocol.Cause)
+    # Prompt tokens 1..n-1 (token 0 has nothing before it), on a request's first output only.
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 class EngineStats(msgspec.Struct):

@@ -6,7 +6,7 @@ import enum
 
 import torch
 
-from kvrelay.engine.messages import SamplingParams
+from kvrelay.engine.messages import PromptLogprob, SamplingParams
 
 
 class Status(enum.Enum):
@@ -33,6 +33,8 @@ class Request:
         self.finish_reason: str | None = None
         self.matcher = None  # llguidance LLMatcher of a grammar-constrained request (grammar.py)
         self.grammar_consumed = 0  # output tokens the matcher has consumed
+        # Prompt logprobs so far (params.prompt_logprobs): entry p scores prompt token p + 1.
+        self.prompt_lp: list[PromptLogprob] = []
 
     @property
     def all_ids(self) -> list[int]:

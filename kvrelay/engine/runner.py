@@ -14,7 +14,9 @@ from kvrelay.cache.kv_pool import KVPool, bytes_per_token
 from kvrelay.cache.paging import pages_for
 from kvrelay.config import EngineConfig
 from kvrelay.disagg.layout import PAGE, CacheKind
+from kvrelay.engine import prompt_logprobs
 from kvrelay.engine.batch import ForwardBatch, prepare
+from kvrelay.engine.prompt_logprobs import StepLogits
 from kvrelay.engine.scheduler import ScheduledRequest
 from kvrelay.layers.attention import make_backend
 from kvrelay.layers.ops import TORCH_OPS, triton_ops
@@ -136,13 +138,33 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Logits [N, V] (float32) for the requests in `batch` that sample this step, in order;
         `profile` times the step's attention and MLP."""
+        return self.forward_step(batch, profile).logits
+
+    @torch.inference_mode()
+    def forward_step(
+        self, batch: list[ScheduledRequest], profile: StepProfiler | None = None
+    ) -> StepLogits:
+        """The sampling rows' logits, and the prompt logprobs of the requests that ask for them
+        (scored from the same forward's hidden states: those rows only, eagerly)."""
         fb = prepare(batch, self.page_size, self.device)
-        return self.forward_batch(fb, profile)
+        rows = prompt_logprobs.plan(batch)
+        if rows is None:
+            return StepLogits(self.forward_batch(fb, profile), [])
+        hidden = self._hidden(fb, profile)
+        logits = self.model.compute_logits(hidden[fb.sample_rows])
+        idx = torch.tensor(rows.rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        vocab = self.model_cfg.vocab_size
+        scored = prompt_logprobs.score(hidden[idx], self.model.compute_logits, vocab, rows)
+        return StepLogits(logits, scored)
 
     @torch.inference_mode()
     def forward_batch(self, fb: ForwardBatch, profile: StepProfiler | None = None) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(fb):
             return self.graphs.run(fb, profile)
-        ctx = ForwardContext(fb.attn, self.kv.layers, self.backend, self.ops, profile)
-        hidden = self.model(fb.input_ids, fb.positions, ctx)
+        hidden = self._hidden(fb, profile)
         return self.model.compute_logits(hidden[fb.sample_rows])
+
+    def _hidden(self, fb: ForwardBatch, profile: StepProfiler | None) -> torch.Tensor:
+        """The final-normed hidden states of every row of the batch, eagerly: [T, hidden]."""
+        ctx = ForwardContext(fb.attn, self.kv.layers, self.backend, self.ops, profile)
+        return self.model(fb.input_ids, fb.positions, ctx)

@@ -26,6 +26,7 @@ from kvrelay.disagg.handshake import PD_AUTH_HEADER, request_token_ok
 from kvrelay.disagg.protocol import PDParams
 from kvrelay.engine.messages import SamplingParams
 from kvrelay.server import openai_format as fmt
+from kvrelay.server import prompt_logprobs as plp
 from kvrelay.server import sglang_api as sglang
 from kvrelay.server import structured
 from kvrelay.server.chat_format import ChatFormat
@@ -279,7 +280,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         }
         if req.logprobs:
             choice["logprobs"] = fmt.chat_logprobs(state.tokenizer, deltas)
-        return {
+        body = {
             "id": rid,
             "object": "chat.completion",
             "created": created,
@@ -287,6 +288,11 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             "choices": [choice],
             "usage": fmt.usage(len(prompt_ids), gen.completion_tokens),
         }
+        if req.prompt_logprobs is not None:  # vLLM puts them beside the choices on chat
+            body["prompt_logprobs"] = await asyncio.to_thread(
+                plp.vllm, state.tokenizer, prompt_ids, plp.first(deltas)
+            )
+        return body
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -313,7 +319,9 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             return _stream(
                 request,
                 gen,
-                lambda d, first: _completion_chunk(rid, created, d, first, req, echo, offset),
+                lambda d, first: _completion_chunk(
+                    rid, created, d, first, req, echo, offset, prompt_ids
+                ),
                 rid,
                 created,
                 "text_completion",
@@ -326,8 +334,15 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             "finish_reason": deltas[-1].finish_reason,
             "logprobs": None,
         }
+        # Off the event loop: a long prompt's entries take a while to decode and shape.
         if req.logprobs is not None:
-            choice["logprobs"] = fmt.completion_logprobs(state.tokenizer, deltas, len(echo))
+            choice["logprobs"] = await asyncio.to_thread(
+                _completion_logprobs, req, deltas, len(echo), prompt_ids, True
+            )
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = await asyncio.to_thread(
+                plp.vllm, state.tokenizer, prompt_ids, plp.first(deltas)
+            )
         return {
             "id": rid,
             "object": "text_completion",
@@ -399,6 +414,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             )
         if req.n > cfg.max_n:
             raise bad_request(f"n={req.n} is not supported (at most {cfg.max_n})", "n")
+        plp.check(req)
         _check_ready(req)
 
     def _check_ready(req) -> None:
@@ -437,6 +453,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             ignore_eos=req.ignore_eos,
             logprobs=req.num_logprobs,
             grammar=grammar,
+            prompt_logprobs=plp.wanted(req),
         )
         prefix = prefix or ("chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl")
         rid = f"{prefix}-{uuid.uuid4().hex}"
@@ -540,14 +557,26 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             "choices": [choice],
         }
 
+    def _completion_logprobs(
+        req, deltas: list[Delta], offset: int, prompt_ids: list[int], first: bool
+    ) -> dict:
+        """Legacy `logprobs` of these deltas' tokens (from text offset `offset`), led by the
+        prompt's with echo (in the first chunk of a stream)."""
+        out = fmt.completion_logprobs(state.tokenizer, deltas, offset)
+        if req.echo and first:
+            entries = plp.first(deltas)
+            prompt = plp.legacy(state.tokenizer, prompt_ids, entries, req.logprobs)
+            out = plp.merge(prompt, out)
+        return out
+
     def _completion_chunk(
-        rid, created, d: Delta, first: bool, req, echo: str, offset: list[int]
+        rid, created, d: Delta, first: bool, req, echo: str, offset: list[int], prompt_ids
     ) -> dict:
         text = (echo if first else "") + d.text
         choice = {"index": 0, "text": text, "finish_reason": d.finish_reason, "logprobs": None}
-        if req.logprobs is not None and d.token_ids:
-            choice["logprobs"] = fmt.completion_logprobs(
-                state.tokenizer, [d], offset[0] + len(echo) * first
+        if req.logprobs is not None and (d.token_ids or (first and req.echo)):
+            choice["logprobs"] = _completion_logprobs(
+                req, [d], offset[0] + len(echo) * first, prompt_ids, first
             )
         offset[0] += len(text)
         return {

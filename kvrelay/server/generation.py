@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from kvrelay.disagg.protocol import PDParams, pd_status
-from kvrelay.engine.messages import RequestOutput, SamplingParams, TokenLogprob
+from kvrelay.engine.messages import PromptLogprob, RequestOutput, SamplingParams, TokenLogprob
 from kvrelay.server.engine_client import EngineClient
 from kvrelay.server.errors import APIError
 from kvrelay.server.tokenizer import IncrementalDetokenizer
@@ -21,6 +21,7 @@ class Delta:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None  # on the first delta, when asked for
 
 
 @dataclass
@@ -86,7 +87,12 @@ class Generation:
                 release = pending if done else pending[: max(len(pending) - hold, 0)]
                 pending = pending[len(release) :]
                 yield Delta(
-                    release, out.token_ids, out.logprobs or [], out.top_logprobs or [], reason
+                    release,
+                    out.token_ids,
+                    out.logprobs or [],
+                    out.top_logprobs or [],
+                    reason,
+                    out.prompt_logprobs,
                 )
                 if done:
                     self.finished = True

@@ -86,6 +86,8 @@ class _Sampling(_Open):
     response_format: ResponseFormat | None = None
     ignore_eos: bool = False
     user: str | None = None
+    # vLLM's: each prompt token's logprob and top alternatives (server/prompt_logprobs.py).
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     # vLLM's extras with the values that change nothing; any other value is refused.
     repetition_penalty: float | None = Field(default=None, description="only 1 is supported")
     logit_bias: dict[str, float] | None = Field(default=None, description="not supported")
@@ -218,6 +220,9 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = Field(
+        default=None, description="0 only with echo (the prompt's logprobs alone)"
+    )
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(default=None, description="only 1 is supported")

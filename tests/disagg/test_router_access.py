@@ -117,6 +117,11 @@ HOSTILE = [
      b'"tools": [{"type": "function", "function": {"name": "f"}}], '
      b'"tool_choice": {"type": "function", "function": "f"}}', "tool_choice.function"),
     (b'{"model": "m", "prompt": "hi", "max_tokens": 0}', "max_tokens"),
+    # Prompt logprobs: prefill would compute them and decode answer; refused, not dropped.
+    (b'{"model": "m", "prompt": "hi", "echo": true, "logprobs": 1, "max_tokens": 1}', "echo"),
+    (b'{"model": "m", "prompt": "hi", "echo": true, "max_tokens": 0}', "echo"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1}',
+     "prompt_logprobs"),
 ]  # fmt: skip
 
 

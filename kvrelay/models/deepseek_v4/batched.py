@@ -27,8 +27,10 @@ def forward_batched(
     ops: AttentionOps,
     kernels: LayerKernels | None = None,
     profile: StepProfiler | None = None,
+    head: bool = True,
 ) -> torch.Tensor:
-    """input_ids [T] -> logits [len(sample_rows), V] in the model dtype. `kernels` are the fused
+    """input_ids [T] -> logits [len(sample_rows), V] in the model dtype (without `head`: the
+    final hidden states of those rows, which the LM head maps to logits). `kernels` are the fused
     replacements of the blocks' torch ops (None: torch)."""
     m = model.model
     index = StepIndex(meta, m.config.sliding_window)
@@ -42,4 +44,4 @@ def forward_batched(
 
             streams = layer.run(streams, input_ids, attend, profile, kernels)
         hidden = m.norm(m.hc_head(streams[sample_rows]))
-        return model.lm_head(hidden)
+        return model.lm_head(hidden) if head else hidden

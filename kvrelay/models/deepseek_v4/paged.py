@@ -44,8 +44,10 @@ def forward_paged(
     sample_rows: torch.Tensor,
     on_layer: Callable[[int], None] | None = None,
     profile: StepProfiler | None = None,
+    head: bool = True,
 ) -> torch.Tensor:
-    """input_ids: [T], the sequences' new tokens back to back -> logits [len(sample_rows), V].
+    """input_ids: [T], the sequences' new tokens back to back -> logits [len(sample_rows), V]
+    (without `head`: those rows' final hidden states).
     `on_layer(i)` runs before layer i and once more after the last (benchmarks time layers);
     `profile` times attention (cache load/store included) and MoE of a profiled step."""
     m = model.model
@@ -68,4 +70,4 @@ def forward_paged(
     if on_layer is not None:
         on_layer(len(m.layers))
     hidden = m.norm(m.hc_head(streams[sample_rows]))
-    return model.lm_head(hidden)
+    return model.lm_head(hidden) if head else hidden
