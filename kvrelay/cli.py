@@ -329,7 +329,6 @@ def cmd_serve(a: argparse.Namespace) -> int:
         port=a.port,
         served_model_name=a.served_model_name,
         max_body_bytes=a.max_body_bytes,
-        max_n=1,
         generation_config=a.generation_config,
         api_key=api_key(a),
         engine=engine_config(a),

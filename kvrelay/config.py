@@ -119,7 +119,7 @@ class ServerConfig:
     port: int = 8000
     served_model_name: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413 (chunked ones too)
-    max_n: int = 1
+    max_n: int = 16  # samples per request (n); each is one engine request
     # Sampling defaults for what a request leaves out: "auto" (the model's generation_config.json,
     # or the model card's for the embedded SmolLM2), "openai" (temperature 1, top_p 1), or a
     # directory holding a generation_config.json.

@@ -33,7 +33,7 @@ from kvrelay.config import RouterConfig
 from kvrelay.disagg.handshake import PD_AUTH_HEADER, request_token
 from kvrelay.disagg.protocol import pd_status
 from kvrelay.server import prompt_logprobs
-from kvrelay.server.errors import install_error_handlers
+from kvrelay.server.errors import bad_request, install_error_handlers
 from kvrelay.server.guard import HttpGuard
 from kvrelay.server.openapi_doc import document_bodies
 from kvrelay.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -408,7 +408,10 @@ def create_router_app(cfg: RouterConfig, on_ready=None) -> FastAPI:
         """The client's body, validated as the servers will (a 400 here costs no pair)."""
         body = parse_json(await request.body())
         body.pop("kvrelay_pd", None)  # only the router sets it
-        prompt_logprobs.check(validate(schema, body), pd=True)  # a 400, not a silent drop
+        req = validate(schema, body)
+        prompt_logprobs.check(req, pd=True)  # a 400, not a silent drop
+        if req.n > 1:
+            raise bad_request("n > 1 is not supported through the PD router", "n")
         return body
 
     @app.post("/v1/chat/completions")

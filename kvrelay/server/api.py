@@ -253,44 +253,49 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         except (ValueError, TypeError, TemplateError) as e:  # what the messages made it raise
             raise bad_request(f"the messages cannot be rendered: {e}", "messages") from None
         grammar = await asyncio.to_thread(structured.chat_grammar, req, chat_format)
-        gen = _start(req, prompt_ids, grammar=grammar)
-        rid, created = gen.rid, int(gen.created)
-        parser = chat_format.output_parser(req, f"call_{uuid.uuid4().hex[:16]}_")
+        gens = _start_n(req, prompt_ids, grammar)
+        rid, created = gens[0].rid, int(gens[0].created)
+        parsers = [
+            chat_format.output_parser(req, f"call_{uuid.uuid4().hex[:16]}_") for _ in gens
+        ]
         if req.stream:
             return _stream(
                 request,
-                gen,
-                lambda d, first: _chat_chunk(rid, created, d, first, req, parser),
+                gens,
+                lambda i, d, first: _chat_chunk(rid, created, i, d, first, req, parsers[i]),
                 rid,
                 created,
                 "chat.completion.chunk",
                 req,
             )
-        deltas = await _collect(request, gen)
-        text = "".join(d.text for d in deltas)
-        message = {"role": "assistant", "content": text}
-        if parser is not None:
-            message = message_dict(parser.step(text, final=True), parser.reasoning)
-            _log_parse_errors(rid, parser)
-        choice = {
-            "index": 0,
-            "message": message,
-            "finish_reason": _finish_reason(deltas[-1].finish_reason, parser),
-            "logprobs": None,
-        }
-        if req.logprobs:
-            choice["logprobs"] = fmt.chat_logprobs(state.tokenizer, deltas)
+        choices = []
+        outputs = await _collect(request, gens)
+        for i, (deltas, parser) in enumerate(zip(outputs, parsers, strict=True)):
+            text = "".join(d.text for d in deltas)
+            message = {"role": "assistant", "content": text}
+            if parser is not None:
+                message = message_dict(parser.step(text, final=True), parser.reasoning)
+                _log_parse_errors(rid, parser)
+            choice = {
+                "index": i,
+                "message": message,
+                "finish_reason": _finish_reason(deltas[-1].finish_reason, parser),
+                "logprobs": None,
+            }
+            if req.logprobs:
+                choice["logprobs"] = fmt.chat_logprobs(state.tokenizer, deltas)
+            choices.append(choice)
         body = {
             "id": rid,
             "object": "chat.completion",
             "created": created,
             "model": state.model_name,
-            "choices": [choice],
-            "usage": fmt.usage(len(prompt_ids), gen.completion_tokens),
+            "choices": choices,
+            "usage": _usage(prompt_ids, gens),
         }
         if req.prompt_logprobs is not None:  # vLLM puts them beside the choices on chat
             body["prompt_logprobs"] = await asyncio.to_thread(
-                plp.vllm, state.tokenizer, prompt_ids, plp.first(deltas)
+                plp.vllm, state.tokenizer, prompt_ids, plp.first(outputs[0])
             )
         return body
 
@@ -307,49 +312,51 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         if not prompt_ids:
             raise bad_request("prompt is empty", "prompt")
         grammar = await asyncio.to_thread(structured.response_format_grammar, req.response_format)
-        gen = _start(req, prompt_ids, grammar=grammar)
-        rid, created = gen.rid, int(gen.created)
+        gens = _start_n(req, prompt_ids, grammar)
+        rid, created = gens[0].rid, int(gens[0].created)
         echo = (
             (prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt_ids))
             if req.echo
             else ""
         )
         if req.stream:
-            offset = [0]  # text offset of the next token, across chunks
+            offsets = [[0] for _ in gens]  # each choice's text offset of its next token
             return _stream(
                 request,
-                gen,
-                lambda d, first: _completion_chunk(
-                    rid, created, d, first, req, echo, offset, prompt_ids
+                gens,
+                lambda i, d, first: _completion_chunk(
+                    rid, created, i, d, first, req, echo, offsets[i], prompt_ids
                 ),
                 rid,
                 created,
                 "text_completion",
                 req,
             )
-        deltas = await _collect(request, gen)
-        choice = {
-            "index": 0,
-            "text": echo + "".join(d.text for d in deltas),
-            "finish_reason": deltas[-1].finish_reason,
-            "logprobs": None,
-        }
-        # Off the event loop: a long prompt's entries take a while to decode and shape.
-        if req.logprobs is not None:
-            choice["logprobs"] = await asyncio.to_thread(
-                _completion_logprobs, req, deltas, len(echo), prompt_ids, True
-            )
-        if req.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = await asyncio.to_thread(
-                plp.vllm, state.tokenizer, prompt_ids, plp.first(deltas)
-            )
+        choices = []
+        for i, deltas in enumerate(await _collect(request, gens)):
+            choice = {
+                "index": i,
+                "text": echo + "".join(d.text for d in deltas),
+                "finish_reason": deltas[-1].finish_reason,
+                "logprobs": None,
+            }
+            # Off the event loop: a long prompt's entries take a while to decode and shape.
+            if req.logprobs is not None:
+                choice["logprobs"] = await asyncio.to_thread(
+                    _completion_logprobs, req, deltas, len(echo), prompt_ids, True
+                )
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = await asyncio.to_thread(
+                    plp.vllm, state.tokenizer, prompt_ids, plp.first(deltas)
+                )
+            choices.append(choice)
         return {
             "id": rid,
             "object": "text_completion",
             "created": created,
             "model": state.model_name,
-            "choices": [choice],
-            "usage": fmt.usage(len(prompt_ids), gen.completion_tokens),
+            "choices": choices,
+            "usage": _usage(prompt_ids, gens),
         }
 
     @app.post("/generate")
@@ -372,7 +379,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
                 sglang.events(gen, rid, stream_error), media_type="text/event-stream"
             )
         start = gen.created
-        return sglang.answer(gen, await _collect(request, gen), rid, start)
+        return sglang.answer(gen, (await _collect(request, [gen]))[0], rid, start)
 
     async def _parse(request: Request, schema):
         body = await request.body()  # the guard has held it to cfg.max_body_bytes
@@ -414,6 +421,8 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             )
         if req.n > cfg.max_n:
             raise bad_request(f"n={req.n} is not supported (at most {cfg.max_n})", "n")
+        if req.n > 1 and "kvrelay_pd" in (req.model_extra or {}):
+            raise bad_request("n > 1 is not supported through the PD router", "n")
         plp.check(req)
         _check_ready(req)
 
@@ -429,8 +438,14 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
                 )
 
     def _start(
-        req, prompt_ids: list[int], prefix: str | None = None, grammar: str | None = None
+        req,
+        prompt_ids: list[int],
+        prefix: str | None = None,
+        grammar: str | None = None,
+        index: int = 0,
+        rid: str | None = None,
     ) -> Generation:
+        """One engine request; sample `index` of n gets seed + index (as vLLM's children do)."""
         limit = state.max_model_len
         if len(prompt_ids) >= limit:
             raise bad_request(
@@ -446,7 +461,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         params = SamplingParams(
             max_tokens=max_tokens,
             **resolve_sampling(req, state.sampling_defaults),
-            seed=req.seed,
+            seed=None if req.seed is None else _child_seed(req.seed, index),
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             stop_token_ids=tuple(req.stop_token_ids or ()),
@@ -456,7 +471,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             prompt_logprobs=plp.wanted(req),
         )
         prefix = prefix or ("chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl")
-        rid = f"{prefix}-{uuid.uuid4().hex}"
+        rid = rid or f"{prefix}-{uuid.uuid4().hex}"
         pd, pd_rid = _pd_params(req)
         if pd is not None:
             rid = pd_rid or rid
@@ -474,13 +489,22 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             pd=pd,
         )
 
-    async def _collect(request: Request, gen: Generation) -> list[Delta]:
-        """Run to completion, aborting the request if the client goes away first."""
+    def _start_n(req, prompt_ids: list[int], grammar: str | None) -> list[Generation]:
+        """The request's n samples: engine requests <id>, <id>-1, ... (one response id)."""
+        first = _start(req, prompt_ids, grammar=grammar)
+        rest = [
+            _start(req, prompt_ids, grammar=grammar, index=i, rid=f"{first.rid}-{i}")
+            for i in range(1, req.n)
+        ]
+        return [first, *rest]
 
-        async def run():
+    async def _collect(request: Request, gens: list[Generation]) -> list[list[Delta]]:
+        """Run every generation to completion, aborting them all if the client goes away."""
+
+        async def run(gen: Generation) -> list[Delta]:
             return [d async for d in gen.deltas()]
 
-        task = asyncio.create_task(run())
+        task = asyncio.ensure_future(asyncio.gather(*(run(g) for g in gens)))
         while not task.done():
             await asyncio.wait({task}, timeout=0.5)
             if not task.done() and await request.is_disconnected():
@@ -503,17 +527,19 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         log.warning("stream error rid=%s status=%d message=%s", rid, e.status, e.message)
         return e.sse()
 
-    def _stream(request, gen, make_chunk, rid, created, obj, req):
+    def _stream(request, gens, make_chunk, rid, created, obj, req):
+        """SSE chunks of every generation as they come (`make_chunk(index, delta, first)`),
+        then usage if asked, then [DONE]."""
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         async def events():
-            first = True
+            first = [True] * len(gens)
             try:
-                async for d in gen.deltas():
-                    chunk = make_chunk(d, first)
+                async for i, d in _merged(gens):
+                    chunk = make_chunk(i, d, first[i])
                     if chunk is not None:  # None: nothing to say yet (a parser holds text)
                         yield f"data: {json.dumps(chunk)}\n\n"
-                    first = False
+                    first[i] = False
             except Exception as e:
                 yield stream_error(e, rid)
                 yield "data: [DONE]\n\n"
@@ -525,7 +551,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
                     "created": created,
                     "model": state.model_name,
                     "choices": [],
-                    "usage": fmt.usage(len(gen.prompt_ids), gen.completion_tokens),
+                    "usage": _usage(gens[0].prompt_ids, gens),
                 }
                 yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
@@ -533,7 +559,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     def _chat_chunk(
-        rid, created, d: Delta, first: bool, req, parser: ChatOutputParser | None
+        rid, created, index: int, d: Delta, first: bool, req, parser: ChatOutputParser | None
     ) -> dict | None:
         if parser is None:
             delta = {"content": d.text}
@@ -546,7 +572,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         if first:
             delta = {"role": "assistant", **delta}
         reason = _finish_reason(d.finish_reason, parser)
-        choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
         if req.logprobs and d.token_ids:
             choice["logprobs"] = fmt.chat_logprobs(state.tokenizer, [d])
         return {
@@ -570,10 +596,10 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         return out
 
     def _completion_chunk(
-        rid, created, d: Delta, first: bool, req, echo: str, offset: list[int], prompt_ids
+        rid, created, index, d: Delta, first: bool, req, echo: str, offset: list[int], prompt_ids
     ) -> dict:
         text = (echo if first else "") + d.text
-        choice = {"index": 0, "text": text, "finish_reason": d.finish_reason, "logprobs": None}
+        choice = {"index": index, "text": text, "finish_reason": d.finish_reason, "logprobs": None}
         if req.logprobs is not None and (d.token_ids or (first and req.echo)):
             choice["logprobs"] = _completion_logprobs(
                 req, [d], offset[0] + len(echo) * first, prompt_ids, first
@@ -605,6 +631,49 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
 class StepProfileRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     every: int = Field(strict=True, ge=0, le=INT32_MAX, description="every N-th step; 0: off")
+
+
+def _child_seed(seed: int, index: int) -> int:
+    """Sample `index`'s seed, kept in the int64 range the seed field allows."""
+    return seed if index == 0 else (seed + index + 2**63) % 2**64 - 2**63
+
+
+def _usage(prompt_ids: list[int], gens: list[Generation]) -> dict:
+    """The prompt counted once, the n samples' completions summed (as OpenAI counts)."""
+    return fmt.usage(len(prompt_ids), sum(g.completion_tokens for g in gens))
+
+
+async def _merged(gens: list[Generation]):
+    """(index, delta) of several generations in arrival order; an error in any ends it (the
+    others are cancelled, which aborts their engine requests)."""
+    if len(gens) == 1:
+        async for d in gens[0].deltas():
+            yield 0, d
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen: Generation) -> None:
+        try:
+            async for d in gen.deltas():
+                await queue.put((i, d, None))
+        except Exception as e:  # handed to the consumer, which raises it
+            await queue.put((i, None, e))
+        await queue.put((i, None, None))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        running = len(gens)
+        while running:
+            i, d, err = await queue.get()
+            if err is not None:
+                raise err
+            if d is None:
+                running -= 1
+            else:
+                yield i, d
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 def _finish_reason(reason: str | None, parser: ChatOutputParser | None) -> str | None:

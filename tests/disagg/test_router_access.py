@@ -122,6 +122,7 @@ HOSTILE = [
     (b'{"model": "m", "prompt": "hi", "echo": true, "max_tokens": 0}', "echo"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1}',
      "prompt_logprobs"),
+    (b'{"model": "m", "prompt": "hi", "n": 2}', "n"),  # one transfer per request: a 400
 ]  # fmt: skip
 
 

@@ -142,3 +142,32 @@ def test_seed_reproducibility(client):
     }
     assert a == b
     assert len(others | {a}) > 1  # different seeds really sample differently
+
+
+def test_n_samples_are_the_seeded_single_requests(client):
+    """n=3 with a seed: choice i is what a single request with seed + i samples (each sample
+    is its own engine request), usage counts the prompt once and every completion."""
+    kw = dict(model=MODEL, messages=MSG, max_tokens=8, temperature=1.0)
+    r = client.chat.completions.create(n=3, seed=7, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    singles = [client.chat.completions.create(seed=7 + i, **kw) for i in range(3)]
+    assert [c.message.content for c in r.choices] == [s.choices[0].message.content for s in singles]
+    assert len({c.message.content for c in r.choices}) > 1  # three seeds, three samples
+    assert r.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+
+
+def test_n_samples_stream_by_index(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=3, n=2)
+    whole = client.completions.create(**kw)
+    texts = ["", ""]
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in whole.choices]
+
+
+def test_n_beyond_16_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1, n=17)
+    assert e.value.body["param"] == "n"
