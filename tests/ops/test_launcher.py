@@ -1,5 +1,6 @@
 """`kvrelay up` with real processes: ready line, a request through the router, a SIGKILLed decode
-server restarted by the supervisor (requests succeed again), and a clean Ctrl-C with no child left.
+server and then a SIGKILLed decode engine restarted by the supervisor (requests succeed again), and
+a clean Ctrl-C with no child left.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
 from kvrelay.ops.cli import _gpus
 from kvrelay.ops.launcher import LaunchConfig, build_specs
+from kvrelay.ops.procs import engine_pid
 
 UP = "import sys; from kvrelay.ops.cli import main; sys.exit(main(sys.argv[1:]))"
 
@@ -136,14 +139,17 @@ def test_build_specs_ports_gpus_and_logs(tmp_path):
 
 
 def test_up_serves_restarts_decode_and_stops_cleanly(tmp_path):
+    """One real stack (its start loads the model in two servers, slow on CPU): a request through
+    it, the decode server SIGKILLed and restarted, then decode's engine alone SIGKILLed (its HTTP
+    process says why it cannot serve, the supervisor restarts it), then a clean Ctrl-C."""
     key = "up-test-key"  # `kvrelay up --api-key`: the router asks clients, the servers the router
     up = _up(
         tmp_path,
-        *("--model", "smollm2", "--max-total-tokens", "8192", "--health-timeout", "120"),
+        *("--model", "smollm2", "--max-total-tokens", "8192", "--health-timeout", "400"),
         *("--api-key", key),
     )
     try:
-        url = up.wait_for(r"kvrelay up ready: (http://\S+) .*\| try: curl ", 150)[1]
+        url = up.wait_for(r"kvrelay up ready: (http://\S+) .*\| try: curl ", 450)[1]
         assert _chat(url, key)  # PD through the stack's generated secret, the key on each hop
         with pytest.raises(openai.AuthenticationError):
             _chat(url)
@@ -152,21 +158,36 @@ def test_up_serves_restarts_decode_and_stops_cleanly(tmp_path):
         for name in ("prefill", "decode", "router"):
             assert (tmp_path / f"{name}.log").stat().st_size > 0
 
+        # The decode server's process dies (its engine with it): restarted, serving again.
         decode = up.pid_of("decode")
         os.kill(decode, signal.SIGKILL)
         up.wait_for(r"child=decode exited rc=-9 .* restarts=1", 15)
         up.wait_for(r"child=decode pid=\d+ .*restarts=1", 15)
         assert up.pid_of("decode") != decode
-        deadline, last = time.time() + 90, None
+        up.wait_for(r"child=decode healthy pid=\d+ restarts=1", 400)
+        _serves_again(url, key, 120)
+
+        # Decode's engine alone dies: the HTTP process lives on, but says it cannot serve, and
+        # why; the supervisor restarts the server, and the stack serves again, in bounded time.
+        server, decode_url = up.pid_of("decode"), up.url_of("decode")
+        killed_at = time.time()
+        os.kill(engine_pid(server), signal.SIGKILL)
+        deadline, h = time.time() + 4, None
         while time.time() < deadline:
-            try:
-                assert _chat(url, key)
+            h = httpx.get(decode_url + "/health", timeout=2)
+            if h.status_code == 503:
                 break
-            except openai.APIError as e:
-                last = e
-                time.sleep(1)
-        else:
-            pytest.fail(f"no successful request after the decode restart: {last}")
+            time.sleep(0.1)
+        assert h is not None and h.status_code == 503, h.text if h else None
+        assert "engine process died" in h.json()["error"]["message"]
+        up.wait_for(
+            r"child=decode unhealthy_s=\S+ cause=.*engine process died.* action=restart", 20
+        )
+        up.wait_for(r"child=decode healthy pid=\d+ restarts=2", 400)
+        assert up.pid_of("decode") != server
+        _serves_again(url, key, 120)
+        # kill -> serving again, bounded (generous: CPU test machines are shared and slow to load)
+        assert time.time() - killed_at < 600
 
         children = _descendants(up.proc.pid)
         assert children
@@ -184,6 +205,18 @@ def test_up_serves_restarts_decode_and_stops_cleanly(tmp_path):
                 up.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 up.proc.kill()
+
+
+def _serves_again(url: str, key: str, timeout: float) -> None:
+    deadline, last = time.time() + timeout, None
+    while time.time() < deadline:
+        try:
+            assert _chat(url, key)
+            return
+        except openai.APIError as e:
+            last = e
+            time.sleep(1)
+    pytest.fail(f"no successful request after the restart: {last}")
 
 
 def _fake_up(log_dir: Path) -> Up:
