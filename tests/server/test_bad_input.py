@@ -28,7 +28,7 @@ CASES = [
     ("top_p zero", CHAT, _chat(top_p=0), 400),
     ("top_p above one", CHAT, _chat(top_p=1.5), 400),
     ("temperature negative", CHAT, _chat(temperature=-1), 400),
-    ("n too large", CHAT, _chat(n=4), 400),
+    ("n too large", CHAT, _chat(n=17), 400),
     ("wrong type", CHAT, _chat(max_tokens="lots"), 400),
     ("top_logprobs without logprobs", CHAT, _chat(top_logprobs=3), 400),
     ("empty prompt", COMP, {"model": "smollm2", "prompt": "", "max_tokens": 4}, 400),
