@@ -37,6 +37,7 @@ from kvrelay.server.errors import bad_request, install_error_handlers
 from kvrelay.server.guard import HttpGuard
 from kvrelay.server.openapi_doc import document_bodies
 from kvrelay.server.schemas import ChatCompletionRequest, CompletionRequest
+from kvrelay.server.sglang_api import GenerateRequest
 from kvrelay.server.validation import parse_json, validate
 
 log = logging.getLogger("kvrelay.router")
@@ -409,6 +410,8 @@ def create_router_app(cfg: RouterConfig, on_ready=None) -> FastAPI:
         body = parse_json(await request.body())
         body.pop("kvrelay_pd", None)  # only the router sets it
         req = validate(schema, body)
+        if schema is GenerateRequest:  # one sample, no prompt logprobs: nothing to refuse
+            return body
         prompt_logprobs.check(req, pd=True)  # a 400, not a silent drop
         if req.n > 1:
             raise bad_request("n > 1 is not supported through the PD router", "n")
@@ -424,12 +427,16 @@ def create_router_app(cfg: RouterConfig, on_ready=None) -> FastAPI:
         body = await _body(request, CompletionRequest)
         return await router.route("/v1/completions", body, request)
 
-    document_bodies(
-        app,
-        {
-            ("POST", "/v1/chat/completions"): ChatCompletionRequest,
-            ("POST", "/v1/completions"): CompletionRequest,
-        },
-        frozenset({("POST", "/v1/chat/completions"), ("POST", "/v1/completions")}),
-    )
+    @app.post("/generate")
+    async def generate(request: Request):
+        """SGLang's native generate, disaggregated like the OpenAI routes."""
+        body = await _body(request, GenerateRequest)
+        return await router.route("/generate", body, request)
+
+    routes = {
+        ("POST", "/v1/chat/completions"): ChatCompletionRequest,
+        ("POST", "/v1/completions"): CompletionRequest,
+        ("POST", "/generate"): GenerateRequest,
+    }
+    document_bodies(app, routes, frozenset(routes))
     return app

@@ -362,8 +362,8 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
     @app.post("/generate")
     async def generate(request: Request):
         """SGLang's native generate (sglang_api.py)."""
-        req = await _parse(request, GenerateRequest)
-        view = sglang.SamplingView.of(req)
+        req, pd = await _parse_generate(request)
+        view = sglang.SamplingView.of(req, pd)
         _check_ready(view)
         if req.input_ids is not None:
             prompt_ids = list(req.input_ids)
@@ -387,6 +387,15 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         if "kvrelay_pd" in data:  # before anything acts on it (a prefill would connect)
             _check_pd_auth(request, body)
         return validate(schema, data)
+
+    async def _parse_generate(request: Request) -> tuple[GenerateRequest, dict | None]:
+        """SGLang's body (which forbids unknown fields) and the router's PD field beside it."""
+        body = await request.body()
+        data = parse_json(body)
+        if "kvrelay_pd" in data:
+            _check_pd_auth(request, body)
+        pd = data.pop("kvrelay_pd", None)
+        return validate(GenerateRequest, data), pd
 
     def _check_pd_auth(request: Request, body: bytes) -> None:
         if not pd_secret:

@@ -107,7 +107,8 @@ class SamplingView:
     model_extra: dict = field(default_factory=dict)
 
     @classmethod
-    def of(cls, req: GenerateRequest) -> SamplingView:
+    def of(cls, req: GenerateRequest, pd: dict | None = None) -> SamplingView:
+        """`pd`: the router's (signed) `kvrelay_pd` field, when the request comes through PD."""
         p = req.sampling_params
         return cls(
             p.max_new_tokens,
@@ -121,6 +122,7 @@ class SamplingView:
             p.stop_token_ids,
             p.ignore_eos,
             list(p.stop or []),
+            model_extra={} if pd is None else {"kvrelay_pd": pd},
         )
 
 

@@ -107,6 +107,22 @@ def _check_transfer_metrics(pd, before: dict, transfers: int, prompt_tokens: int
         assert not events.get("layout_mismatch") and not events.get("peer_lost"), (side, events)
 
 
+def test_sglang_generate_through_the_router(pd, server):
+    """SGLang's /generate is disaggregated too: the same tokens as the single server's, plain
+    and streamed, with the request id the router gave it."""
+    body = {"text": STORY * 3, "sampling_params": {"temperature": 0, "max_new_tokens": 10}}
+    want = httpx.post(server.url + "/generate", json=body, timeout=120).json()
+    got = httpx.post(pd.router.url + "/generate", json=body, timeout=120).json()
+    assert got["output_ids"] == want["output_ids"] and len(want["output_ids"]) == 10
+    assert got["text"] == want["text"] and got["meta_info"]["id"].startswith("cmpl-")
+    with httpx.stream(
+        "POST", pd.router.url + "/generate", json={**body, "stream": True}, timeout=120
+    ) as r:
+        events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    assert events[-1]["output_ids"] == want["output_ids"]
+    pd.wait_idle()
+
+
 def test_first_token_finishes_the_request(pd, server):
     """max_tokens=1: decode gets the first token from prefill and has nothing left to compute."""
     kw = dict(
