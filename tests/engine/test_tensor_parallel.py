@@ -146,3 +146,44 @@ def test_rank_holds_its_slices():
     up = half.shard_tensor("model.layers.0.mlp.up_proj.weight", w[cfg.intermediate_size :])
     i2 = cfg.intermediate_size // 2
     assert gate[0, 0] == i2 and up[0, 0] == cfg.intermediate_size + i2
+
+
+def test_served_tp2_matches_tp1():
+    """`kvrelay serve --tensor-parallel-size 2` (two engine ranks over gloo) answers greedy
+    completions exactly as one rank does (both servers start side by side)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from conftest import ServerProcess
+
+    args = ("--model", "qwen3-tiny", "--load-format", "dummy", "--dtype", "float32")
+    args += ("--device", "cpu", "--max-total-tokens", "1024")
+    with ThreadPoolExecutor(2) as pool:
+        starts = [
+            pool.submit(ServerProcess, *args, "--tensor-parallel-size", str(tp)) for tp in (1, 2)
+        ]
+    servers = [f.result() for f in starts if f.exception() is None]
+    try:
+        assert len(servers) == 2, [f.exception() for f in starts]
+        texts = [
+            [
+                httpx.post(
+                    s.url + "/v1/completions",
+                    json={
+                        "model": "qwen3-tiny",
+                        "prompt": prompt,
+                        "max_tokens": 16,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    },
+                    timeout=60,
+                ).json()["choices"][0]["text"]
+                for prompt in ("Hello there", "The capital of France is", "1 2 3 4")
+            ]
+            for s in servers
+        ]
+    finally:
+        for s in servers:
+            s.close()
+    assert texts[0] == texts[1]
+    assert all(texts[0])
