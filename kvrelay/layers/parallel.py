@@ -1,5 +1,5 @@
 """Tensor-parallel building blocks: the TP group handle, column/row-parallel linears, the
-vocab-parallel embedding and LM head, and the rule that cuts a full checkpoint tensor to a rank.
+vocab-parallel embedding and LM head.
 
 A world of 1 is the plain model: every layer below is then an `nn.Linear` / `nn.Embedding` with
 no collective and no extra copy. With world N (torch.distributed: NCCL on GPU, gloo on CPU):
@@ -138,21 +138,3 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab: int
     if not tp.is_parallel:
         return logits
     return tp.all_gather_last(logits)[:, :vocab]
-
-
-def shard_rows(t: torch.Tensor, dim: int, rank: int, world: int, name: str) -> torch.Tensor:
-    """Slice `rank` of `world` equal slices of `t` along `dim` (a view)."""
-    size = t.shape[dim]
-    if size % world:
-        raise ValueError(f"{name}: dim {dim} of size {size} does not split over {world} ranks")
-    return t.narrow(dim, rank * (size // world), size // world)
-
-
-def shard_vocab(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """This rank's rows of a [V, ...] embedding or head, zero-padded to ceil(V / world) rows."""
-    start, rows = vocab_shard(t.shape[0], tp)
-    piece = t[start : start + rows]
-    if piece.shape[0] == rows:
-        return piece
-    pad = torch.zeros((rows - piece.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-    return torch.cat([piece, pad])

@@ -25,9 +25,8 @@ from kvrelay.layers.parallel import (
     RowParallelLinear,
     TPGroup,
     VocabParallelEmbedding,
-    shard_rows,
-    shard_vocab,
     vocab_parallel_logits,
+    vocab_shard,
 )
 
 
@@ -163,22 +162,39 @@ class LlamaForCausalLM(nn.Module):
             ]
         return [c.intermediate_size // w, c.intermediate_size // w]
 
-    def shard_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the full checkpoint tensor `name` (HF name; a view if it can)."""
+    def shard_range(self, name: str, shape) -> tuple[int, int, int] | None:
+        """(dim, start, stop) of this rank's part of the full checkpoint tensor `name` (HF name)
+        of `shape`; None: every rank keeps it whole. A reader can fetch just that slice."""
         tp = self.tp
         if not tp.is_parallel:
-            return tensor
+            return None
         owner = name.rpartition(".")[0].rpartition(".")[2]
+        if owner in ("embed_tokens", "lm_head"):  # rows of the vocabulary, the last rank's short
+            start, rows = vocab_shard(shape[0], tp)
+            return 0, start, min(start + rows, shape[0])
         if owner in _PACKED:  # q/k/v by heads, gate/up by intermediate rows: output features
-            return shard_rows(tensor, 0, tp.rank, tp.world, name)
-        if owner in ("o_proj", "down_proj"):  # row-parallel: input features
-            return shard_rows(tensor, 1, tp.rank, tp.world, name)
-        if owner in ("embed_tokens", "lm_head"):
-            return shard_vocab(tensor, tp)
-        return tensor  # norms: every rank keeps them whole
+            dim = 0
+        elif owner in ("o_proj", "down_proj"):  # row-parallel: input features
+            dim = 1
+        else:
+            return None  # norms
+        size = shape[dim]
+        if size % tp.world:
+            raise ValueError(
+                f"{name}: dim {dim} of size {size} does not split over {tp.world} ranks"
+            )
+        part = size // tp.world
+        return dim, tp.rank * part, (tp.rank + 1) * part
 
-    def load_weights(self, weights) -> None:
-        """Load HF-named tensors, packing q/k/v and gate/up into their fused parameters."""
+    def shard_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full checkpoint tensor `name` (HF name; a view if it can)."""
+        r = self.shard_range(name, tensor.shape)
+        return tensor if r is None else tensor.narrow(r[0], r[1], r[2] - r[1])
+
+    def load_weights(self, weights, presharded: bool = False) -> None:
+        """Load HF-named tensors, packing q/k/v and gate/up into their fused parameters. Full
+        tensors are cut to this rank's part; `presharded`: the reader already did
+        (`shard_range`)."""
         params = dict(self.named_parameters())
         expected = set()
         for name in params:
@@ -195,7 +211,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name not in expected:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            tensor = self.shard_tensor(name, tensor)
+            if not presharded:
+                tensor = self.shard_tensor(name, tensor)
             mod, _, leaf = name.rpartition(".")
             parent, _, owner = mod.rpartition(".")
             if owner in _PACKED:
@@ -204,6 +221,10 @@ class LlamaForCausalLM(nn.Module):
                 target = params[f"{parent}.{fused}.{leaf}"].narrow(0, sum(sizes[:idx]), sizes[idx])
             else:
                 target = params[name]
+            if owner in ("embed_tokens", "lm_head") and len(tensor) < len(target):
+                target = target[: len(tensor)]  # the vocabulary's tail: the rest is padding
+                with torch.no_grad():
+                    params[name][len(tensor) :].zero_()
             if target.shape != tensor.shape:
                 raise ValueError(
                     f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}"

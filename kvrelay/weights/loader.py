@@ -165,7 +165,10 @@ def build_dense(
         reader = gguf_reader.open_gguf(src.path)
         model.load_weights(gguf_reader.read_weights(reader, src.config))
     else:
-        model.load_weights(hf_dir.read_weights(src.path))
+        if tp.is_parallel:  # each rank reads only the slices it keeps
+            model.load_weights(hf_dir.read_weights(src.path, model.shard_range), presharded=True)
+        else:
+            model.load_weights(hf_dir.read_weights(src.path))
     model = model.to(dtype).eval()
     c = src.config
     max_positions = min(c.max_position_embeddings, max_positions)

@@ -187,3 +187,28 @@ def test_served_tp2_matches_tp1():
             s.close()
     assert texts[0] == texts[1]
     assert all(texts[0])
+
+
+def test_safetensors_ranks_read_only_their_slices(tmp_path):
+    """Reading each rank's slices from the file gives the same weights as cutting full ones."""
+    from safetensors.torch import save_file
+
+    from kvrelay.weights import hf_dir
+    from kvrelay.weights.loader import _init_dummy
+
+    full = LlamaForCausalLM(QWEN2_TINY)
+    _init_dummy(full, 0)
+    save_file(
+        {k: v.contiguous() for k, v in full.hf_state_dict().items()}, tmp_path / "m.safetensors"
+    )
+    for rank in range(2):
+        sliced, cut = (LlamaForCausalLM(QWEN2_TINY, TPGroup(rank, 2)) for _ in range(2))
+        sliced.load_weights(hf_dir.read_weights(tmp_path, sliced.shard_range), presharded=True)
+        cut.load_weights(hf_dir.read_weights(tmp_path))
+        for (name, a), b in zip(sliced.named_parameters(), cut.parameters(), strict=True):
+            assert torch.equal(a, b), name
+        rows = -(-QWEN2_TINY.vocab_size // 2)
+        assert torch.equal(
+            sliced.model.embed_tokens.weight[: QWEN2_TINY.vocab_size - rank * rows],
+            full.model.embed_tokens.weight[rank * rows : (rank + 1) * rows],
+        )
