@@ -11,6 +11,7 @@ import dataclasses
 import multiprocessing as mp
 import socket
 
+import msgspec
 import pytest
 import torch
 import torch.distributed
@@ -84,6 +85,8 @@ def _rank(rank: int, port: int, name: str, results) -> None:
     engine = Engine(cfg, src)
     try:
         logits, tokens = _run(engine)
+        rejected = generate(engine, [[1, 2, 3]], msgspec.structs.replace(PARAMS, prompt_logprobs=1))
+        assert rejected[0][0].finish_reason == "rejected", rejected  # not a failed step
         results.put((logits.numpy(), tokens))  # numpy: a tensor would travel as shared memory
     finally:
         engine.runner.stop_followers()
