@@ -76,6 +76,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=d.tensor_parallel_size,
+        metavar="N",
+        help="ranks of one engine (dense models; gloo on CPU, NCCL on GPU): rank 0 schedules "
+        "and broadcasts each step; each rank holds 1/N of the heads, MLP, vocabulary and KV",
+    )
+    g.add_argument(
         "--page-size",
         type=int,
         default=c.page_size,
@@ -283,6 +291,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         step_profile_every=a.step_profile_every,
         max_model_len=a.max_model_len,
         seed=a.seed,
+        tensor_parallel_size=a.tensor_parallel_size,
         cache=CacheConfig(
             page_size=a.page_size,
             max_total_tokens=a.max_total_tokens,

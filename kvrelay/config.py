@@ -110,6 +110,8 @@ class EngineConfig:
     # Test-only: from the N-th batch step on, every forward raises, as after a sticky CUDA error.
     fault_sticky_error_after: int = 0
     role: str = "single"  # single | prefill | decode
+    # Ranks of one engine (dense models): rank 0 schedules and broadcasts each step's batch.
+    tensor_parallel_size: int = 1
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
 
@@ -203,6 +205,11 @@ ENV_KNOBS: dict[str, EnvKnob] = {
             "what `kvrelay up` restarts when a server fails: 'server' (that one alone: peers carry "
             "instance ids, so the other side re-bootstraps) or 'stack' (prefill, decode and "
             "router together)",
+        ),
+        EnvKnob(
+            "KVRELAY_TP_TIMEOUT_S",
+            "600",
+            "seconds a tensor-parallel rank waits in a collective for the other ranks",
         ),
         EnvKnob(
             "KVRELAY_CPU_THREADS", "0", "torch threads in the engine on CPU (0: torch default)"

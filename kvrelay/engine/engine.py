@@ -71,6 +71,11 @@ class Engine:
             error = "prompt contains token ids outside the vocabulary"
         elif msg.pd is not None and msg.pd.role != self.cfg.role:
             error = f"this server's role is {self.cfg.role}; it cannot take a {msg.pd.role} request"
+        elif p.prompt_logprobs is not None and self.cfg.tensor_parallel_size > 1:
+            error = (
+                "prompt logprobs (echo with logprobs, prompt_logprobs) are not supported with "
+                "tensor parallel yet"
+            )
         elif msg.pd is not None and (p.prompt_logprobs is not None or p.max_tokens < 1):
             error = (
                 "prompt logprobs (echo with logprobs, prompt_logprobs) are not supported in PD mode"

@@ -72,6 +72,13 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str) -> None:
     try:
         from kvrelay.engine.engine import Engine
 
+        if cfg.tensor_parallel_size > 1:  # rank 0: start the other ranks, then join them
+            from kvrelay.engine import tp_worker
+            from kvrelay.weights.loader import resolve
+
+            tp_worker.check_supported(cfg, resolve(cfg.model, cfg.load_format, cfg.tokenizer))
+            _, port = tp_worker.start_followers(cfg)
+            tp_worker.init_distributed(0, cfg.tensor_parallel_size, "127.0.0.1", port, cfg.device)
         engine = Engine(cfg)
     except Exception as e:
         log.exception("engine failed to start")
@@ -116,6 +123,8 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str) -> None:
                 log.info("step profiling every=%d", engine.profile_every)
             elif isinstance(msg, Shutdown):
                 log.info("engine shutting down")
+                if cfg.tensor_parallel_size > 1:
+                    engine.runner.stop_followers()
                 if engine.agent is not None:
                     engine.agent.close()
                 return

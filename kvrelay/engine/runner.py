@@ -5,6 +5,7 @@ Which pages are in use is the scheduler's business: the runner only says how man
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -14,12 +15,13 @@ from kvrelay.cache.kv_pool import KVPool, bytes_per_token
 from kvrelay.cache.paging import pages_for
 from kvrelay.config import EngineConfig
 from kvrelay.disagg.layout import PAGE, CacheKind
-from kvrelay.engine import prompt_logprobs
+from kvrelay.engine import prompt_logprobs, tp_step
 from kvrelay.engine.batch import ForwardBatch, prepare
 from kvrelay.engine.prompt_logprobs import StepLogits
 from kvrelay.engine.scheduler import ScheduledRequest
 from kvrelay.layers.attention import make_backend
 from kvrelay.layers.ops import TORCH_OPS, triton_ops
+from kvrelay.layers.parallel import TPGroup
 from kvrelay.layers.step_profile import StepProfiler
 from kvrelay.models import registry
 from kvrelay.models.llama import ForwardContext
@@ -67,8 +69,10 @@ class ModelRunner:
         self.dtype = pick_dtype(cfg.dtype, self.device)
         self.page_size = cfg.cache.page_size
         torch.manual_seed(cfg.seed)
+        # Tensor parallel: torch.distributed is already initialised by whoever started the rank.
+        self.tp = TPGroup.from_default(cfg.tensor_parallel_size)
         self.model = build_model(
-            src, self.dtype, self.device, cfg.seed, cfg.max_model_len or 1 << 17
+            src, self.dtype, self.device, cfg.seed, cfg.max_model_len or 1 << 17, self.tp
         )
         self.model_cfg = src.config
         self.num_state_slots = 0  # dense models keep no per-request state outside the KV pages
@@ -80,15 +84,15 @@ class ModelRunner:
         self.backend = make_backend(backend)
         # The Triton backend also brings the fused per-token kernels; "torch" is the reference.
         self.ops = triton_ops() if backend == "triton" else TORCH_OPS
-        num_pages = self._num_pages()
-        self.kv = KVPool(self.model_cfg, num_pages, self.page_size, self.dtype, self.device)
+        num_pages = self.tp.min_int(self._num_pages())  # every rank holds the same page ids
+        self.kv = KVPool(self._kv_config(), num_pages, self.page_size, self.dtype, self.device)
         self.num_pages = num_pages  # page 0 included (the dummy page padded rows write to)
         pool_tokens = (num_pages - 1) * self.page_size
         self.max_model_len = min(
             cfg.max_model_len or self.model_cfg.max_position_embeddings, pool_tokens
         )
         self.graphs = None
-        if self.device.type == "cuda" and cfg.cuda_graphs:
+        if self.device.type == "cuda" and cfg.cuda_graphs and not self.tp.is_parallel:
             from kvrelay.engine.cuda_graphs import CudaGraphRunner
 
             max_pages = pages_for(self.max_model_len, self.page_size)
@@ -121,8 +125,15 @@ class ModelRunner:
         act = self.cfg.scheduler.max_num_batched_tokens * (c.hidden_size * 16 + c.vocab_size * 4)
         graphs = 2 * self.cfg.max_cuda_graph_batch * c.vocab_size * 4
         budget = cache_budget(self.cfg, self.device, act + graphs)
-        per_page = bytes_per_token(c, self.dtype) * self.page_size
+        per_page = bytes_per_token(self._kv_config(), self.dtype) * self.page_size
         return max(int(budget // per_page), 2)
+
+    def _kv_config(self):
+        """The config the KV tensors are shaped by: with TP, this rank's kv heads only."""
+        c = self.model_cfg
+        if not self.tp.is_parallel:
+            return c
+        return dataclasses.replace(c, num_kv_heads=c.num_kv_heads // self.tp.world)
 
     def transfer_layout(self) -> list[CacheKind]:
         """The caches a PD transfer moves: each layer's paged K and V."""
@@ -148,6 +159,10 @@ class ModelRunner:
         (scored from the same forward's hidden states: those rows only, eagerly)."""
         fb = prepare(batch, self.page_size, self.device)
         rows = prompt_logprobs.plan(batch)
+        if self.tp.is_parallel:
+            if rows is not None:  # raised before the followers hear of this step
+                raise NotImplementedError("prompt logprobs are not supported with tensor parallel")
+            tp_step.send_batch(fb, self.tp)
         if rows is None:
             return StepLogits(self.forward_batch(fb, profile), [])
         hidden = self._hidden(fb, profile)
@@ -163,6 +178,16 @@ class ModelRunner:
             return self.graphs.run(fb, profile)
         hidden = self._hidden(fb, profile)
         return self.model.compute_logits(hidden[fb.sample_rows])
+
+    def follow(self) -> None:
+        """Ranks > 0 of tensor parallel: run each step rank 0 broadcasts until it says stop."""
+        while (fb := tp_step.recv_batch(self.tp, self.device)) is not None:
+            self.forward_batch(fb)
+
+    def stop_followers(self) -> None:
+        """Rank 0: end the followers' `follow` loops."""
+        if self.tp.is_parallel and self.tp.rank == 0:
+            tp_step.send_stop(self.tp, self.device)
 
     def _hidden(self, fb: ForwardBatch, profile: StepProfiler | None) -> torch.Tensor:
         """The final-normed hidden states of every row of the batch, eagerly: [T, hidden]."""

@@ -58,10 +58,21 @@ def safetensors_files(path: str) -> list[str]:
     return [os.path.join(path, n) for n in files]
 
 
-def read_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def read_weights(path: str, shard_range=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor by name; with `shard_range(name, shape) -> (dim, start, stop) | None`
+    (tensor parallel), only that slice of each tensor is read from the file."""
     from safetensors import safe_open
 
     for file in safetensors_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if shard_range is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                part = f.get_slice(name)
+                r = shard_range(name, part.get_shape())
+                if r is None:
+                    yield name, part[:]
+                    continue
+                dim, start, stop = r
+                yield name, part[(slice(None),) * dim + (slice(start, stop),)]

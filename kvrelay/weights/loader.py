@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvrelay.config import ModelConfig
+from kvrelay.layers.parallel import SINGLE, TPGroup
 from kvrelay.layers.rope import RotaryEmbedding
 from kvrelay.models import registry
 from kvrelay.models.deepseek_v4.config import DeepseekV4Config
@@ -131,26 +132,43 @@ def build_model(
     device: torch.device,
     seed: int = 0,
     max_positions: int = 1 << 17,
+    tp: TPGroup = SINGLE,
 ):
-    """The model of `src` on `device` with its weights (dummy ones for a preset)."""
+    """The model of `src` on `device` with its weights (dummy ones for a preset); with a
+    parallel `tp`, this rank's part of it (dense models only, so far)."""
     build = registry.family(src.config.architecture).load("build")
-    return build(src, dtype, device, seed, max_positions)
+    if not tp.is_parallel:
+        return build(src, dtype, device, seed, max_positions)
+    return build(src, dtype, device, seed, max_positions, tp=tp)
 
 
 def build_dense(
-    src: ModelSource, dtype: torch.dtype, device: torch.device, seed: int, max_positions: int
+    src: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    max_positions: int,
+    tp: TPGroup = SINGLE,
 ):
     cls = registry.model_class(src.config.architecture)
     with torch.device("meta"):
-        model = cls(src.config)
+        model = cls(src.config) if not tp.is_parallel else cls(src.config, tp)
     model = model.to_empty(device=device)
-    if src.kind == "dummy":
+    if src.kind == "dummy" and tp.is_parallel:
+        # The same full weights as one rank would draw, each cut to this rank's part on load.
+        with torch.device("meta"):
+            full = cls(src.config)
+        model.load_weights(_dummy_hf_weights(full, seed, device))
+    elif src.kind == "dummy":
         _init_dummy(model, seed)
     elif src.kind == "gguf":
         reader = gguf_reader.open_gguf(src.path)
         model.load_weights(gguf_reader.read_weights(reader, src.config))
     else:
-        model.load_weights(hf_dir.read_weights(src.path))
+        if tp.is_parallel:  # each rank reads only the slices it keeps
+            model.load_weights(hf_dir.read_weights(src.path, model.shard_range), presharded=True)
+        else:
+            model.load_weights(hf_dir.read_weights(src.path))
     model = model.to(dtype).eval()
     c = src.config
     max_positions = min(c.max_position_embeddings, max_positions)
@@ -173,6 +191,20 @@ def build_dsv4(
         with dsv4_checkpoint.Dsv4Checkpoint(src.path) as ckpt:
             dsv4_checkpoint.load_checkpoint(model, ckpt)
     return model.eval()
+
+
+def _dummy_hf_weights(full, seed: int, device: torch.device):
+    """(HF name, full tensor) of the weights `_init_dummy` draws for the unsharded model `full`
+    (on the meta device: only its names and shapes are read), one tensor at a time."""
+    for name, p in full.named_parameters():
+        gen = torch.Generator(device=device).manual_seed(seed)
+        seed += 1
+        t = torch.empty(p.shape, dtype=p.dtype, device=device)
+        if name.endswith("norm.weight"):
+            t.fill_(1.0)
+        else:
+            t.normal_(0.0, p.shape[-1] ** -0.5 if p.dim() > 1 else 0.02, generator=gen)
+        yield from full.split_fused(name, t)
 
 
 def _init_dummy(model: torch.nn.Module, seed: int) -> None:
