@@ -33,6 +33,8 @@ log = logging.getLogger("kvrelay.runner")
 
 class DeepseekV4Runner:
     def __init__(self, cfg: EngineConfig, src: ModelSource) -> None:
+        if cfg.tensor_parallel_size != 1:  # never a silent single-rank run
+            raise ValueError("DeepSeek-V4 has no tensor parallelism yet (--tensor-parallel-size 1)")
         self.cfg = cfg
         self.device = pick_device(cfg.device)
         self.dtype = pick_dtype(cfg.dtype, self.device)

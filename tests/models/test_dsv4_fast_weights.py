@@ -77,3 +77,11 @@ def test_fused_equals_separate_and_follows_loads():
     attn.fused_in = None  # the separate projections read the same (changed) weights
     torch.testing.assert_close(model(ids), fused_out, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(fused_out, before, atol=1e-3)
+
+
+def test_dsv4_refuses_tensor_parallelism():
+    from kvrelay.engine.dsv4_runner import DeepseekV4Runner
+
+    cfg = EngineConfig(model="dsv4-tiny", load_format="dummy", device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        DeepseekV4Runner(cfg, resolve("dsv4-tiny", "dummy"))
