@@ -283,7 +283,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             "created": created,
             "model": state.model_name,
             "choices": [choice],
-            "usage": fmt.usage(len(prompt_ids), gen.completion_tokens),
+            "usage": fmt.usage(len(prompt_ids), gen.completion_tokens, gen.cached_tokens),
         }
 
     @app.post("/v1/completions")
@@ -331,7 +331,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             "created": created,
             "model": state.model_name,
             "choices": [choice],
-            "usage": fmt.usage(len(prompt_ids), gen.completion_tokens),
+            "usage": fmt.usage(len(prompt_ids), gen.completion_tokens, gen.cached_tokens),
         }
 
     @app.post("/generate")
@@ -501,7 +501,9 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
                     "created": created,
                     "model": state.model_name,
                     "choices": [],
-                    "usage": fmt.usage(len(gen.prompt_ids), gen.completion_tokens),
+                    "usage": fmt.usage(
+                        len(gen.prompt_ids), gen.completion_tokens, gen.cached_tokens
+                    ),
                 }
                 yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
