@@ -104,6 +104,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--memory-fraction", type=float, default=c.memory_fraction)
     g.add_argument(
+        "--disable-prefix-cache",
+        action="store_true",
+        help="turn off the radix prefix cache (on by default for dense models: a prompt that "
+        "begins with a cached prefix, in full KV pages, computes only the rest; DeepSeek-V4 "
+        "and the PD decode role never use it yet)",
+    )
+    g.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=s.max_num_batched_tokens,
@@ -297,6 +304,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
             max_total_tokens=a.max_total_tokens,
             memory_fraction=a.memory_fraction,
             index_k_dtype=a.index_k_dtype,
+            prefix_cache=not a.disable_prefix_cache,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=a.max_num_batched_tokens,

@@ -173,6 +173,9 @@ async def stream_request(
     if not rec.success:
         rec.error = "no tokens streamed"
     rec.prompt_tokens = int((usage or {}).get("prompt_tokens", 0))
+    rec.cached_tokens = int(
+        ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    )
     # The server's count is the truth (a chunk may carry several tokens, or none after a stop).
     rec.output_tokens = int(usage["completion_tokens"]) if usage else chunks
     rec.finish_reason = resp.finish_reason
@@ -572,6 +575,7 @@ def _detail(r: RequestRecord) -> dict:
         "e2el_ms": ms(r.e2e),
         "itl_ms": [g * 1e3 for g in r.itl],
         "prompt_tokens": r.prompt_tokens,
+        "cached_tokens": r.cached_tokens,
         "output_tokens": r.output_tokens,
         "finish_reason": r.finish_reason,
     }

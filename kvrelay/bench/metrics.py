@@ -24,6 +24,7 @@ class RequestRecord:
     itl: list[float] = field(default_factory=list)  # gaps between successive choice chunks
     e2e: float | None = None  # send -> end of stream
     prompt_tokens: int = 0  # from the server's usage (the real length, not the target)
+    cached_tokens: int = 0  # of them, found in the server's prefix cache (not computed)
     output_tokens: int = 0
     finish_reason: str | None = None
 
@@ -119,6 +120,7 @@ def level_summary(
     dur = max(duration_s, 1e-9)
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
     good = [r for r in ok if meets_slo(r, slo)] if slo else ok
     return {
         "num_requests": len(records),
@@ -126,6 +128,9 @@ def level_summary(
         "failed": len(records) - len(ok),
         "duration_s": duration_s,
         "total_input_tokens": in_tokens,
+        # Prefix cache: prompt tokens served from it, and the prompt tokens prefilled.
+        "total_cached_tokens": cached,
+        "prefill_tokens_computed": in_tokens - cached,
         "total_output_tokens": out_tokens,
         "request_throughput": len(ok) / dur,
         "output_throughput": out_tokens / dur,
@@ -220,6 +225,9 @@ def server_delta(before: Samples, after: Samples) -> dict:
         "generation_tokens": d("kvrelay_generation_tokens_total"),
         "prompt_tokens": d("kvrelay_prompt_tokens_total"),
         "request_errors": d("kvrelay_request_errors_total"),
+        "prefix_cache_query_tokens": d("kvrelay_prefix_cache_query_tokens_total"),
+        "prefix_cache_hit_tokens": d("kvrelay_prefix_cache_hit_tokens_total"),
+        "prefix_cache_evicted_pages": d("kvrelay_prefix_cache_evicted_pages_total"),
         "engine_steps": steps,
         "engine_step_mean_ms": step_s / steps * 1e3 if steps and step_s is not None else None,
     }

@@ -139,6 +139,7 @@ class FirstToken(msgspec.Struct, tag=True):
     logprob: float | None
     top_logprobs: Annotated[list[tuple[int, float]], msgspec.Meta(max_length=1024)] | None
     num_chunks: Count
+    cached_tokens: Count = 0  # prompt tokens prefill found in its prefix cache (usage)
 
 
 class TransferDone(msgspec.Struct, tag=True):

@@ -390,6 +390,7 @@ class DecodeReceiver(TransferAgent):
         self._observe("transfer", time.monotonic() - t.reserved)  # reserved -> all installed
         self._observe("install", t.install_s)
         req.num_computed = len(req.prompt_ids)
+        req.num_cached_tokens = f.cached_tokens  # prefill's prefix cache hit (usage)
         req.output_ids.append(f.token_id)
         if req.params.temperature > 0 and req.generator is not None:
             # Prefill drew the first token from this seed: make the same one draw (one exponential per
@@ -407,6 +408,7 @@ class DecodeReceiver(TransferAgent):
                 top,
                 finish_reason=reason,
                 num_prompt_tokens=len(req.prompt_ids),
+                num_cached_tokens=f.cached_tokens,
             )
         )
         if reason is not None:

@@ -366,6 +366,7 @@ class PrefillSender(TransferAgent):
                 if out.top_logprobs
                 else None,
                 t.pieces,
+                out.num_cached_tokens,
             )
             if not self._send(t.peer.conn, first):
                 raise ConnectionError("connection to decode lost while sending")

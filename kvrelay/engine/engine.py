@@ -18,6 +18,7 @@ from kvrelay.engine.runner import make_runner
 from kvrelay.engine.sampler import sample
 from kvrelay.engine.scheduler import Scheduler
 from kvrelay.layers.step_profile import COMMUNICATION, StepProfiler, timed
+from kvrelay.models import registry
 from kvrelay.weights.loader import ModelSource, resolve
 
 log = logging.getLogger("kvrelay.engine")
@@ -29,7 +30,11 @@ class Engine:
         self.src = src or resolve(cfg.model, cfg.load_format, cfg.tokenizer)
         self.runner = make_runner(cfg, self.src)
         r = self.runner
-        self.scheduler = Scheduler(cfg.scheduler, r.num_pages, r.page_size, r.num_state_slots)
+        self.prefix_cache = self._prefix_cache_choice()
+        self.scheduler = Scheduler(
+            cfg.scheduler, r.num_pages, r.page_size, r.num_state_slots, self.prefix_cache == "on"
+        )
+        log.info("prefix_cache=%s role=%s", self.prefix_cache, cfg.role)
         self.eos_ids = set(self.src.config.eos_token_ids)
         self.grammar = GrammarBackend(
             self.src, self.src.config.vocab_size, sorted(self.eos_ids)
@@ -50,6 +55,17 @@ class Engine:
             from kvrelay.disagg.receiver import DecodeReceiver
 
             self.agent = DecodeReceiver(self)
+
+    def _prefix_cache_choice(self) -> str:
+        """'on', or why the prefix cache is off."""
+        if not self.cfg.cache.prefix_cache:
+            return "off (--disable-prefix-cache)"
+        if not registry.family(self.src.config.architecture).prefix_cache:
+            return "off (not supported for this model family yet)"
+        if self.cfg.role == "decode":
+            # Decode admits transferred KV as it comes (prefill reuses its own cached prefix).
+            return "off (PD decode role)"
+        return "on"
 
     @property
     def max_model_len(self) -> int:
@@ -143,11 +159,12 @@ class Engine:
         num_prefill: int = 0,
         components: dict[str, float] | None = None,
     ) -> EngineStats:
-        a = self.scheduler.page_pool
+        a, prefix = self.scheduler.page_pool, self.scheduler.prefix
+        cached = prefix.num_evictable if prefix is not None else 0
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            kv_pages_used=a.num_used,
+            kv_pages_used=a.num_used - cached,  # pages the prefix cache alone holds count free
             kv_pages_total=a.num_usable,
             num_preemptions=self.scheduler.num_preemptions,
             step_ms=self.last_step_ms,
@@ -156,6 +173,14 @@ class Engine:
             num_prefill=num_prefill,
             components=components,
             failed_steps=self.failed_steps,
+            prefix_cache=None
+            if prefix is None
+            else {
+                "query_tokens": prefix.query_tokens,
+                "hit_tokens": prefix.hit_tokens,
+                "evicted_pages": prefix.evicted_pages,
+                "cached_pages": prefix.num_pages,
+            },
         )
 
     def _fail(self, req: Request, reason: str, error: str | None = None) -> None:
@@ -234,6 +259,7 @@ class Engine:
                 top_logprobs=None if result.top_logprobs[i] is None else [result.top_logprobs[i]],
                 num_prompt_tokens=len(req.prompt_ids),
                 prompt_logprobs=prompt_lp,
+                num_cached_tokens=req.num_cached_tokens,
             )
             if self.agent is not None and self.agent.role == "prefill":
                 with timed(profile, COMMUNICATION):
@@ -272,6 +298,12 @@ class Engine:
     def check_idle_integrity(self) -> None:
         """Every KV page and state slot is free or held by its owners exactly as counted."""
         self.scheduler.check_integrity()
+
+    def flush_prefix_cache(self) -> int:
+        """Evict every page only the prefix cache holds; returns how many (tests: an idle engine
+        then holds no page at all)."""
+        prefix = self.scheduler.prefix
+        return 0 if prefix is None else prefix.evict(prefix.num_evictable)
 
 
 def generate(

@@ -70,6 +70,7 @@ class RequestOutput(msgspec.Struct, array_like=True):
     cause: str | None = None  # PD failures: the cause (kvrelay.disagg.protocol.Cause)
     # Prompt tokens 1..n-1 (token 0 has nothing before it), on a request's first output only.
     prompt_logprobs: list[PromptLogprob] | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class EngineStats(msgspec.Struct):
@@ -92,6 +93,9 @@ class EngineStats(msgspec.Struct):
     pd_bootstrap: dict[str, int] | None = None  # PD roles: bootstrap events since start
     # PD roles: (side, phase, seconds) of the transfers finished since the previous stats
     pd_timings: list[tuple[str, str, float]] | None = None
+    # Prefix cache totals since start (None: no prefix cache): query_tokens, hit_tokens,
+    # evicted_pages; and cached_pages, the pages it holds now.
+    prefix_cache: dict[str, int] | None = None
 
 
 class StepOutputs(msgspec.Struct, tag=True):

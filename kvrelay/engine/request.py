@@ -29,6 +29,11 @@ class Request:
         self.pages: list[int] = []
         self.state_slot = 0  # models with per-request state (DeepSeek-V4 compressors): its slot
         self.num_computed = 0  # tokens whose K/V sit in the cache
+        # Prefix cache: the node its shared pages end at (None: it shares none), and how many
+        # prompt tokens the cache provided when it was first admitted (for usage).
+        self.prefix_node = None
+        self.num_cached_tokens = 0
+        self.cache_queried = False
         self.generator: torch.Generator | None = None
         self.finish_reason: str | None = None
         self.matcher = None  # llguidance LLMatcher of a grammar-constrained request (grammar.py)
@@ -62,5 +67,6 @@ class Request:
     def reset_for_recompute(self) -> None:
         """After preemption: the cache is gone; prompt + output so far are recomputed."""
         self.pages = []
+        self.prefix_node = None
         self.num_computed = 0
         self.status = Status.WAITING

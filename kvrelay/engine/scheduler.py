@@ -11,6 +11,12 @@ The runner owns the cache tensors; the scheduler owns the refcounted pools of th
 ids. Everything outside the engine (the PD receiver and sender) goes through the public operations
 here: reserve KV for an incoming transfer, admit a request whose KV has arrived, finish (or fence)
 a request.
+
+With a prefix cache (kvrelay.cache.radix), a request admitted with nothing computed first shares
+the pages of its longest cached prefix (full pages, leaving at least one token to compute) and
+computes only the rest; a request that ends (or is preempted) hands its full computed pages to the
+cache. Pages held by the cache alone count as available: the cache evicts its least recently used
+ones before the scheduler preempts or refuses anything.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from dataclasses import dataclass
 
 from kvrelay.cache.block_pool import BlockPool, OutOfPages
 from kvrelay.cache.paging import pages_for
+from kvrelay.cache.radix import RadixCache
 from kvrelay.config import SchedulerConfig
 from kvrelay.engine.request import Request, Status
 
@@ -52,12 +59,14 @@ class Scheduler:
         num_pages: int,
         page_size: int,
         num_state_slots: int = 0,
+        prefix_cache: bool = False,
     ) -> None:
         self.cfg, self.page_size = cfg, page_size
         self.page_pool = BlockPool(num_pages, "page")
         # Per-request state slots (one per running request) for models that keep state outside
         # the pages; sized max_running_requests + 1, so admission never runs out.
         self.slot_pool = BlockPool(num_state_slots, "state slot") if num_state_slots else None
+        self.prefix = RadixCache(page_size, self.page_pool) if prefix_cache else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.reserved: list[Request] = []  # KV held for transfers still arriving (PD decode)
@@ -84,13 +93,18 @@ class Scheduler:
         return None
 
     def finish(self, req: Request, reason: str) -> None:
-        """Out of the queues, pages and slot back to the pools (harmless when already finished)."""
+        """Out of the queues, pages and slot back to the pools (harmless when already finished).
+        The full pages of what it computed go to the prefix cache, unless it failed ("error":
+        its KV is not trusted) or its KV was still arriving (a reserved transfer)."""
+        cache = reason != "error" and req.status in (Status.RUNNING, Status.WAITING)
         self._leave(req, reason)
-        self._release(req)
+        self._release(req, cache)
 
     def finish_fenced(self, req: Request, reason: str) -> Fence:
         """Finish, but keep the request's pages and slot out of the pools until `lift(fence)`:
         a peer may still be writing into them."""
+        if req.prefix_node is not None:  # only reserved transfers are fenced: they match nothing
+            raise ValueError(f"request {req.rid} shares cached pages: they cannot be fenced")
         self._leave(req, reason)
         fence = Fence(req.rid, req.pages, req.state_slot)
         req.pages, req.state_slot = [], 0
@@ -114,7 +128,13 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_reason = reason
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request, cache: bool = False) -> None:
+        if self.prefix is not None:
+            if cache:
+                self.prefix.insert(req.token_slice(0, req.num_computed), req.pages)
+            if req.prefix_node is not None:
+                self.prefix.unlock(req.prefix_node)
+                req.prefix_node = None
         self.page_pool.free(req.pages)
         req.pages = []
         if req.state_slot:
@@ -130,7 +150,7 @@ class Scheduler:
         reserved requests may still need (back-pressure: a refusal now, not an OOM later)."""
         committed = sum(self._future_pages(r) for r in self._holders())
         need_all = self._future_pages(req)
-        free = self.page_pool.num_free - committed
+        free = self._available() - committed
         if need_all > free:
             raise OutOfPages(
                 f"decode KV cache full: the request needs {need_all} pages, "
@@ -142,7 +162,7 @@ class Scheduler:
             raise OutOfPages(
                 f"decode has no free state slot ({slots.num_usable} in use or promised)"
             )
-        req.pages = self.page_pool.alloc(self._pages_for(len(req.prompt_ids)))
+        req.pages = self._alloc(self._pages_for(len(req.prompt_ids)))
         if slots is not None:
             req.state_slot = slots.alloc(1)[0]
         req.status = Status.RESERVED
@@ -172,9 +192,14 @@ class Scheduler:
         return self.running + list(self.waiting) + self.reserved
 
     def check_integrity(self) -> None:
-        """Every page and slot is free or held by its owners exactly as often as counted."""
+        """Every page and slot is free or held by its owners (requests, fences, the prefix
+        cache) exactly as often as counted."""
         owners = self._holders()
-        self.page_pool.check_integrity([r.pages for r in owners] + [f.pages for f in self.fences])
+        held = [r.pages for r in owners] + [f.pages for f in self.fences]
+        if self.prefix is not None:
+            held.append(self.prefix.pages())
+            self.prefix.check_integrity([r.prefix_node for r in owners if r.prefix_node])
+        self.page_pool.check_integrity(held)
         if self.slot_pool is not None:
             slots = [[r.state_slot] for r in owners if r.state_slot]
             slots += [[f.state_slot] for f in self.fences if f.state_slot]
@@ -193,19 +218,61 @@ class Scheduler:
         need = self._pages_for(req.num_tokens + self._reserve_tokens(req))
         return max(need - len(req.pages), 0)
 
+    def _available(self) -> int:
+        """Pages free now or once the prefix cache evicts what it alone holds."""
+        return self.page_pool.num_free + (self.prefix.num_evictable if self.prefix else 0)
+
+    def _alloc(self, n: int) -> list[int]:
+        short = n - self.page_pool.num_free
+        if short > 0 and self.prefix is not None:
+            self.prefix.evict(short)
+        return self.page_pool.alloc(n)
+
     def _grow(self, req: Request, num_tokens: int) -> bool:
         need = self._pages_for(num_tokens) - len(req.pages)
         if need <= 0:
             return True
-        if need > self.page_pool.num_free:
+        if need > self._available():
             return False
-        req.pages += self.page_pool.alloc(need)
+        req.pages += self._alloc(need)
         return True
+
+    def _match(self, req: Request) -> bool:
+        """Share the pages of req's longest cached prefix (req computes the rest). At least one
+        token stays to compute: its logits are what the next step samples from. False when req
+        does not ask the cache (no cache, or it holds KV already: a transferred request)."""
+        if self.prefix is None or req.pages or req.num_computed:
+            return False
+        pages, node = self.prefix.match(req.token_slice(0, req.num_tokens - 1))
+        if not pages:
+            return True
+        req.pages = self.page_pool.share(pages)
+        self.prefix.lock(node)
+        req.prefix_node = node
+        req.num_computed = len(pages) * self.page_size
+        return True
+
+    def _count_hit(self, req: Request) -> None:
+        """An admitted request asked the cache: count it (metrics) and, the first time, tell
+        its usage how many prompt tokens the cache provided."""
+        self.prefix.query_tokens += req.num_tokens
+        self.prefix.hit_tokens += req.num_computed
+        if not req.cache_queried:
+            req.cache_queried = True
+            req.num_cached_tokens = min(req.num_computed, len(req.prompt_ids))
+
+    def _unmatch(self, req: Request) -> None:
+        """Undo `_match` for a request that stays waiting after all."""
+        if req.prefix_node is None:
+            return
+        self.prefix.unlock(req.prefix_node)
+        self.page_pool.free(req.pages)
+        req.prefix_node, req.pages, req.num_computed = None, [], 0
 
     def _preempt_newest(self) -> Request:
         victim = max(self.running, key=lambda r: r.arrival)
         self.running.remove(victim)
-        self._release(victim)
+        self._release(victim, cache=True)  # its computed prefix may come back as a cache hit
         victim.reset_for_recompute()
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
@@ -247,10 +314,12 @@ class Scheduler:
                 self.finish(req, "error")
                 unfittable.append(req)
                 continue
+            queried = self._match(req)
             # Reserved transfers count too: they join the running set once their KV arrives.
             reserved = sum(self._future_pages(r) for r in self.running + self.reserved)
             need = self._future_pages(req)
-            if self.page_pool.num_free - reserved < need and self.running:
+            if self._available() - reserved < need and self.running:
+                self._unmatch(req)
                 break
             n = min(req.num_uncomputed, budget)
             if not self._grow(req, req.num_computed + n):
@@ -259,8 +328,11 @@ class Scheduler:
                     self.finish(req, "error")
                     unfittable.append(req)
                     continue
+                self._unmatch(req)
                 break
             self.waiting.popleft()
+            if queried:
+                self._count_hit(req)
             if self.slot_pool is not None and not req.state_slot:
                 req.state_slot = self.slot_pool.alloc(1)[0]
             req.status = Status.RUNNING

@@ -35,6 +35,10 @@ class ModelFamily:
     # Served with a borrowed tokenizer (dummy weights, a directory without tokenizer files), the
     # config takes its BOS/EOS and, for dummy weights, a vocabulary covering its ids.
     adopts_borrowed_tokenizer: bool = False
+    # The radix prefix cache can reuse this family's cached pages (kvrelay.cache.radix): every
+    # cache kind it keeps is paged per token. DeepSeek-V4's compressed, index, sliding-window
+    # and compressor-state kinds need their own handling first.
+    prefix_cache: bool = True
 
     def load(self, attribute: str) -> Any:
         """The object an entry field names ("module:attribute")."""
@@ -55,6 +59,7 @@ DEEPSEEK_V4 = ModelFamily(
     dir_config="kvrelay.weights.dsv4_checkpoint:read_config",
     claims_dir="kvrelay.weights.dsv4_checkpoint:is_dsv4_dir",
     adopts_borrowed_tokenizer=True,
+    prefix_cache=False,
 )
 
 DENSE = ModelFamily(

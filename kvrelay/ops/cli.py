@@ -28,6 +28,11 @@ def add_up_parser(subparsers) -> argparse.ArgumentParser:
     u.add_argument("--max-total-tokens", type=int, default=None)
     u.add_argument("--max-num-batched-tokens", type=int, default=None)
     u.add_argument(
+        "--disable-prefix-cache",
+        action="store_true",
+        help="passed to both servers: no radix prefix cache (prefill uses one by default)",
+    )
+    u.add_argument(
         "--server-args",
         default="",
         help="more `kvrelay serve` args for both servers, e.g. --server-args='--dtype float32'",
@@ -81,6 +86,8 @@ def launch_config(a: argparse.Namespace):
     ):
         if val is not None:
             common += [flag, str(val)]
+    if a.disable_prefix_cache:
+        common.append("--disable-prefix-cache")
     return LaunchConfig(
         host=a.host,
         port=a.port,

@@ -649,7 +649,9 @@ def _child_seed(seed: int, index: int) -> int:
 
 def _usage(prompt_ids: list[int], gens: list[Generation]) -> dict:
     """The prompt counted once, the n samples' completions summed (as OpenAI counts)."""
-    return fmt.usage(len(prompt_ids), sum(g.completion_tokens for g in gens))
+    return fmt.usage(
+        len(prompt_ids), sum(g.completion_tokens for g in gens), gens[0].cached_tokens
+    )
 
 
 async def _merged(gens: list[Generation]):

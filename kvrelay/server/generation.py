@@ -37,6 +37,7 @@ class Generation:
     metrics: object
     timeout_s: float
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     finished: bool = False
     created: float = field(default_factory=time.time)
     pd: PDParams | None = None  # PD mode: this side's part of a disaggregated request
@@ -74,6 +75,7 @@ class Generation:
                     first_at = time.perf_counter()
                     self.metrics.ttft.observe(first_at - start)
                 self.completion_tokens += len(out.token_ids)
+                self.cached_tokens = max(self.cached_tokens, out.num_cached_tokens)
                 new = detok.add(out.token_ids)
                 if out.finish_reason:
                     new += detok.flush()

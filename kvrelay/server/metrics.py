@@ -31,6 +31,28 @@ class Metrics:
         self.generation_tokens = Counter(
             "kvrelay_generation_tokens", "tokens generated", registry=r
         )
+        self.prefix_query_tokens = Counter(
+            "kvrelay_prefix_cache_query_tokens",
+            "tokens of admitted requests looked up in the prefix cache",
+            registry=r,
+        )
+        self.prefix_hit_tokens = Counter(
+            "kvrelay_prefix_cache_hit_tokens",
+            "tokens found in the prefix cache (not computed again); hit rate = hit / query",
+            registry=r,
+        )
+        self.prefix_evictions = Counter(
+            "kvrelay_prefix_cache_evicted_pages",
+            "KV pages the prefix cache evicted to make room",
+            registry=r,
+        )
+        self._prefix_seen: dict[str, int] = {}
+        self.prefix_hit_rate = Gauge(
+            "kvrelay_prefix_cache_hit_rate", "prefix cache hit tokens / query tokens", registry=r
+        )
+        self.prefix_pages = Gauge(
+            "kvrelay_prefix_cache_pages", "KV pages the prefix cache holds", registry=r
+        )
         self.requests = Counter(
             "kvrelay_requests", "finished requests by finish reason", ["finish_reason"], registry=r
         )
@@ -107,6 +129,16 @@ class Metrics:
                 _add_new(counter, self._pd_bytes_seen, (direction, backend), total)
         for event, total in (s.pd_bootstrap or {}).items():
             _add_new(self.pd_bootstrap.labels(event=event), self._pd_bootstrap_seen, event, total)
+        if s.prefix_cache is not None:
+            p = s.prefix_cache
+            for name, counter in (
+                ("query_tokens", self.prefix_query_tokens),
+                ("hit_tokens", self.prefix_hit_tokens),
+                ("evicted_pages", self.prefix_evictions),
+            ):
+                _add_new(counter, self._prefix_seen, name, p[name])
+            self.prefix_hit_rate.set(p["hit_tokens"] / max(p["query_tokens"], 1))
+            self.prefix_pages.set(p["cached_pages"])
         for side, phase, seconds in s.pd_timings or ():
             self.pd_seconds.labels(side=side, phase=phase).observe(seconds)
         if s.batch_size:

@@ -148,6 +148,7 @@ def answer(gen: Generation, deltas: list[Delta], rid: str, start: float) -> dict
             "finish_reason": finish_reason(gen, deltas),
             "prompt_tokens": len(gen.prompt_ids),
             "completion_tokens": gen.completion_tokens,
+            "cached_tokens": gen.cached_tokens,
             "e2e_latency": time.time() - start,
         },
     }

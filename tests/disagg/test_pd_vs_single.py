@@ -123,6 +123,29 @@ def test_sglang_generate_through_the_router(pd, server):
     pd.wait_idle()
 
 
+def test_prefill_prefix_cache_hit_matches_single_server(pd, server):
+    """A prompt sent twice through PD: the second prefill reuses its cached prefix (reported in
+    the usage decode answers with), decode still gets the whole prompt's KV, and the tokens equal
+    the single server's."""
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": STORY * 5 + "Who climbed the stairs?"}],
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+    )
+    want = client(server.url).chat.completions.create(**kw)
+    got = [client(pd.router.url).chat.completions.create(**kw) for _ in range(2)]
+    hit = got[1].usage.prompt_tokens_details.cached_tokens
+    assert hit >= got[1].usage.prompt_tokens - 32 and hit % 16 == 0, hit
+    for g in got:
+        assert g.choices[0].message.content == want.choices[0].message.content
+        assert [x.logprob for x in g.choices[0].logprobs.content] == pytest.approx(
+            [x.logprob for x in want.choices[0].logprobs.content], abs=1e-3
+        )
+    pd.wait_idle()
+
+
 def test_first_token_finishes_the_request(pd, server):
     """max_tokens=1: decode gets the first token from prefill and has nothing left to compute."""
     kw = dict(

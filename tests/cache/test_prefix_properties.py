@@ -1,0 +1,157 @@
+"""Property tests of the scheduler's block pool + radix prefix cache under random sequences of
+requests (sharing prefixes), engine steps, aborts, preemptions (a small pool), evictions, PD
+reservations and fenced transfers. No model: a simulated KV records which token each page slot
+holds, so a request that attends to a shared page is checked to see the right tokens there.
+
+After every operation: refcounts agree with the owners (requests, fences, the tree); a page a
+request may still write is its own alone; and when everything has ended and the cache is
+flushed, every page is free."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvrelay.cache.block_pool import OutOfPages
+from kvrelay.config import SchedulerConfig
+from kvrelay.engine.messages import SamplingParams
+from kvrelay.engine.request import Request, Status
+from kvrelay.engine.scheduler import Scheduler
+
+PS = 4
+PREFIXES = [[1] * 9, [1] * 8 + [2] * 5, [3] * 13, [1] * 4 + [4] * 6]
+
+# Operation kinds and their weights; each operation draws its own arguments.
+OPS = {"add": 6, "step": 8, "abort": 1, "reserve": 1, "arrive": 1, "lift": 1, "evict": 1}
+
+
+class World:
+    def __init__(self, num_pages: int, budget: int, ratio: float) -> None:
+        cfg = SchedulerConfig(
+            max_num_batched_tokens=budget, max_running_requests=6, kv_reserve_ratio=ratio
+        )
+        self.s = Scheduler(cfg, num_pages, PS, prefix_cache=True)
+        self.kv: dict[tuple[int, int], int] = {}  # (page, offset) -> token whose K/V is there
+        self.n = 0
+
+    def request(self, prefix: int, tail: int, max_tokens: int) -> Request:
+        self.n += 1
+        prompt = PREFIXES[prefix] + [100 + self.n] * tail
+        return Request(f"r{self.n}", prompt, SamplingParams(max_tokens=max_tokens), 0)
+
+    def write(self, req: Request, start: int, end: int) -> None:
+        toks = req.token_slice(start, end)
+        for p, tok in zip(range(start, end), toks, strict=True):
+            self.kv[(req.pages[p // PS], p % PS)] = tok
+
+    def step(self) -> None:
+        s = self.s
+        batch, _ = s.schedule()
+        for x in batch:
+            r = x.req
+            assert x.num_new_tokens >= 1, f"{r.rid} scheduled with nothing to compute"
+            # What it attends to: the K/V of its own tokens, wherever the pages came from.
+            seen = [self.kv.get((r.pages[p // PS], p % PS)) for p in range(r.num_computed)]
+            assert seen == r.token_slice(0, r.num_computed), f"{r.rid} reads the wrong KV"
+            self.write(r, r.num_computed, r.num_computed + x.num_new_tokens)
+        sampling = [x.req for x in batch if x.samples]
+        s.advance(batch)
+        for r in sampling:
+            r.output_ids.append(200 + len(r.output_ids))
+            if len(r.output_ids) >= r.params.max_tokens:
+                s.finish(r, "length")
+
+    def check(self) -> None:
+        s = self.s
+        s.check_integrity()
+        tree = set(s.prefix.pages())
+        for r in s.running + list(s.waiting) + s.reserved:
+            first_written = r.num_computed // PS  # pages it may still write into
+            for page in r.pages[first_written:]:
+                assert page not in tree and s.page_pool.refcount(page) == 1, (
+                    f"{r.rid} would write into shared page {page}"
+                )
+        for f in s.fences:
+            assert not set(f.pages) & tree, "a fenced transfer's page entered the tree"
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    num_ops=st.integers(1, 120),
+    num_pages=st.integers(8, 24),
+    budget=st.sampled_from([3, 8, 64]),
+    ratio=st.sampled_from([0.0, 1.0]),
+)
+def test_pool_and_tree_stay_consistent(seed, num_ops, num_pages, budget, ratio) -> None:
+    rng = random.Random(seed)
+    w = World(num_pages, budget, ratio)
+    s = w.s
+    pending: list[Request] = []  # reserved transfers
+    for kind in rng.choices(list(OPS), weights=list(OPS.values()), k=num_ops):
+        if kind == "add":
+            s.add(w.request(rng.randrange(4), rng.randrange(7), rng.randint(1, 6)))
+        elif kind == "step":
+            for _ in range(rng.randint(1, 4)):
+                w.step()
+        elif kind == "abort":
+            live = s.running + list(s.waiting)
+            if live:
+                s.finish(rng.choice(live), "abort")
+        elif kind == "reserve":
+            r = w.request(rng.randrange(4), rng.randrange(7), 3)
+            try:
+                s.reserve_transfer(r)
+                pending.append(r)
+            except OutOfPages:
+                pass
+        elif kind == "arrive" and pending:
+            r = pending.pop(rng.randrange(len(pending)))
+            if rng.random() < 0.5:  # its KV arrived: admitted with the first token appended
+                w.write(r, 0, len(r.prompt_ids))
+                r.num_computed = len(r.prompt_ids)
+                r.output_ids.append(300)
+                s.admit_transferred(r)
+            else:  # the transfer failed while the peer may still write: fenced
+                s.finish_fenced(r, "error")
+        elif kind == "lift" and s.fences:
+            s.lift(rng.choice(s.fences))
+        elif kind == "evict":
+            s.prefix.evict(rng.randint(1, 4))
+        w.check()
+    # Drain: every request ends, every fence lifts, the cache lets go: all pages free.
+    for r in pending:
+        s.finish(r, "error")
+    for _ in range(400):
+        if not s.has_work:
+            break
+        w.step()
+        w.check()
+    assert not s.has_work
+    for f in list(s.fences):
+        s.lift(f)
+    w.check()
+    assert s.page_pool.num_used == s.prefix.num_pages == s.prefix.num_evictable
+    s.prefix.evict(s.prefix.num_evictable)
+    w.check()
+    assert s.page_pool.num_free == s.page_pool.num_usable and s.prefix.num_pages == 0
+
+
+def test_a_resent_prompt_hits_and_leaves_one_token_to_compute() -> None:
+    w = World(64, 64, 1.0)
+    s = w.s
+    a = w.request(0, 3, 2)  # 12 prompt tokens: 3 full pages
+    s.add(a)
+    while s.has_work:
+        w.step()
+    assert s.prefix.num_pages == 3  # 12 prompt + 1 computed output token: 3 full pages
+    b = Request("b", list(a.prompt_ids), SamplingParams(max_tokens=2), 0)
+    s.add(b)
+    batch, _ = s.schedule()
+    # 12 tokens match 3 pages, but the last token must be computed: 2 pages shared.
+    assert b.num_cached_tokens == 8 and batch[0].num_new_tokens == 4
+    assert s.prefix.hit_tokens == 8 and s.prefix.query_tokens == 24
+    w.check()
+    assert b.status == Status.RUNNING

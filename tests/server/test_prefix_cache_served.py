@@ -1,0 +1,145 @@
+"""The prefix cache behind real HTTP (official `openai` client, embedded SmolLM2, CPU float32):
+multi-turn conversations whose turn 2 resends turn 1 give the same greedy tokens with the cache on
+as with `--disable-prefix-cache`, at concurrency 1 and 16 (16 conversations sharing a long system
+prompt); hits report usage.prompt_tokens_details.cached_tokens; the cache-on server's KV pool is
+small, so the cache evicts under that load and outputs stay equal."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import openai
+import pytest
+from conftest import ServerProcess
+
+MODEL = "smollm2"
+SYSTEM = "You are the help desk of the Northwind lighthouse museum. " + " ".join(
+    f"Rule {k}: answer in one short sentence, stay polite, and mention room {k} if asked."
+    for k in range(12)
+)
+COMMON = ("--model", "smollm2", "--dtype", "float32", "--max-num-batched-tokens", "256")
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """Cache on with a small pool (40 pages of 16: evictions under 16 conversations), and cache
+    off with a roomy one; started side by side."""
+    specs = {
+        "on": (*COMMON, "--max-total-tokens", "640"),
+        "off": (*COMMON, "--max-total-tokens", "16384", "--disable-prefix-cache"),
+    }
+    started: dict[str, ServerProcess | BaseException] = {}
+
+    def start(name: str) -> None:
+        try:
+            started[name] = ServerProcess(*specs[name])
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after both are stopped
+            started[name] = e
+
+    threads = [threading.Thread(target=start, args=(n,)) for n in specs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        for s in started.values():
+            if isinstance(s, BaseException):
+                raise s
+        yield started
+    finally:
+        for s in started.values():
+            if isinstance(s, ServerProcess):
+                s.close()
+
+
+def _client(server: ServerProcess) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+async def _ask(client, messages: list[dict]) -> tuple[list[str], str, int]:
+    r = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, logprobs=True
+    )
+    c = r.choices[0]
+    details = r.usage.prompt_tokens_details
+    return [t.token for t in c.logprobs.content], c.message.content, details.cached_tokens
+
+
+async def _conversations(server: ServerProcess, n: int, concurrency: int) -> list[list[tuple]]:
+    """n two-turn conversations (turn 2 resends turn 1 and its answer); `concurrency` of them
+    at a time. Returns, per conversation, each turn's (tokens, text, cached_tokens)."""
+    client = _client(server)
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> list[tuple]:
+        async with sem:
+            msgs = [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"Visitor {i}: when does the museum open?"},
+            ]
+            first = await _ask(client, msgs)
+            msgs += [
+                {"role": "assistant", "content": first[1]},
+                {"role": "user", "content": "And which room has the lens?"},
+            ]
+            return [first, await _ask(client, msgs)]
+
+    try:
+        return await asyncio.gather(*(one(i) for i in range(n)))
+    finally:
+        await client.close()
+
+
+def _both(servers, n: int, concurrency: int):
+    on = asyncio.run(_conversations(servers["on"], n, concurrency))
+    off = asyncio.run(_conversations(servers["off"], n, concurrency))
+    return on, off
+
+
+def test_multi_turn_concurrency_1_equal_and_turn_2_hits(servers):
+    on, off = _both(servers, 2, 1)
+    assert [[t[:2] for t in conv] for conv in on] == [[t[:2] for t in conv] for conv in off]
+    assert all(t[2] == 0 for conv in off for t in conv)  # the cache-off server reports none
+    for first, second in on:
+        assert second[2] >= first[2] and second[2] > 100  # turn 1 is cached (system prompt+)
+        assert second[2] % 16 == 0  # whole pages
+
+
+def test_16_conversations_sharing_a_system_prompt_equal_under_eviction(servers):
+    on, off = _both(servers, 16, 16)
+    for i, (a, b) in enumerate(zip(on, off, strict=True)):
+        assert [t[:2] for t in a] == [t[:2] for t in b], f"conversation {i} differs"
+    assert sum(t[2] for conv in on for t in conv) > 16 * 100  # most turns hit the system prompt
+    s = servers["on"]
+    assert s.metric("kvrelay_prefix_cache_evicted_pages_total") > 0  # the small pool evicted
+    hit, query = (
+        s.metric("kvrelay_prefix_cache_hit_tokens_total"),
+        s.metric("kvrelay_prefix_cache_query_tokens_total"),
+    )
+    assert 0 < hit < query and s.metric("kvrelay_prefix_cache_hit_rate") == pytest.approx(
+        hit / query, rel=0.05
+    )
+    assert servers["off"].metric("kvrelay_prefix_cache_query_tokens_total") == 0
+
+
+def test_streamed_chat_and_completions_report_cached_tokens(servers):
+    client = openai.OpenAI(base_url=servers["on"].url + "/v1", api_key="unused", max_retries=0)
+    prompt = SYSTEM + " Question: what is a lens?"
+    for _ in range(2):  # the second one finds the first in the cache
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 16 * (r.usage.prompt_tokens // 16 - 1)
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
+    usage = None
+    for _ in range(2):
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=msgs,
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        for chunk in stream:
+            usage = chunk.usage or usage
+    assert usage.prompt_tokens_details.cached_tokens > 100
