@@ -240,8 +240,11 @@ class Scheduler:
     def _match(self, req: Request) -> bool:
         """Share the pages of req's longest cached prefix (req computes the rest). At least one
         token stays to compute: its logits are what the next step samples from. False when req
-        does not ask the cache (no cache, or it holds KV already: a transferred request)."""
+        does not ask the cache (no cache, it holds KV already: a transferred request, or it wants
+        prompt logprobs, which are scored in its own prefill)."""
         if self.prefix is None or req.pages or req.num_computed:
+            return False
+        if req.params.prompt_logprobs is not None:  # every prompt position must be computed
             return False
         pages, node = self.prefix.match(req.token_slice(0, req.num_tokens - 1))
         if not pages:

@@ -125,6 +125,21 @@ def test_smollm2_chunked_prefill_matches_hf_beside_plain_requests(
     smollm2.check_idle_integrity()
 
 
+def test_cached_prompt_is_scored_again(smollm2: Engine, hf_model) -> None:
+    """A prompt the prefix cache holds (a plain request ran it first) is still scored at every
+    position: requests that want prompt logprobs do not take cached pages."""
+    vocab = smollm2.src.config.vocab_size
+    prompt = _ids(40, 3, vocab)
+    generate(smollm2, [prompt], SamplingParams(max_tokens=2, temperature=0.0))
+    (only,) = generate(
+        smollm2, [prompt], SamplingParams(max_tokens=0, temperature=0.0, prompt_logprobs=K)
+    )[0]
+    with torch.no_grad():
+        ref = _reference(hf_model(torch.tensor([prompt])).logits[0], prompt)
+    _check(only.prompt_logprobs, ref)
+    assert only.num_cached_tokens == 0
+
+
 def test_one_token_prompt_has_no_entries(smollm2: Engine) -> None:
     (out,) = generate(
         smollm2, [[42]], SamplingParams(max_tokens=0, temperature=0.0, prompt_logprobs=0)
