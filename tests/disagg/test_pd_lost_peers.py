@@ -35,7 +35,13 @@ ERROR_BOUND_S = 15.0  # kill -> every in-flight request has its error (CPU share
 def stack():
     # A fixed KV listener port: the restarted decode is at the same address, so prefill can tell
     # it restarted (a new instance id there).
-    s = PDStack(max_total_tokens=8192, decode_args=("--transfer-port", str(free_port())))
+    # No prefix cache on prefill: these tests catch requests mid-transfer, and prompts that
+    # earlier tests here already sent would otherwise prefill (and transfer) too fast to catch.
+    s = PDStack(
+        max_total_tokens=8192,
+        decode_args=("--transfer-port", str(free_port())),
+        prefill_args=("--disable-prefix-cache",),
+    )
     yield s
     s.close()
 
