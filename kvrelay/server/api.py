@@ -362,7 +362,9 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
     @app.post("/generate")
     async def generate(request: Request):
         """SGLang's native generate (sglang_api.py)."""
-        req, pd = await _parse_generate(request)
+        data = await _body_data(request)
+        pd = data.pop("kvrelay_pd", None)  # SGLang's body forbids unknown fields: kept aside
+        req = validate(GenerateRequest, data)
         view = sglang.SamplingView.of(req, pd)
         _check_ready(view)
         if req.input_ids is not None:
@@ -381,21 +383,16 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         start = gen.created
         return sglang.answer(gen, (await _collect(request, [gen]))[0], rid, start)
 
-    async def _parse(request: Request, schema):
+    async def _body_data(request: Request) -> dict:
+        """The JSON body; a PD field in it must carry the router's signature."""
         body = await request.body()  # the guard has held it to cfg.max_body_bytes
         data = parse_json(body)
         if "kvrelay_pd" in data:  # before anything acts on it (a prefill would connect)
             _check_pd_auth(request, body)
-        return validate(schema, data)
+        return data
 
-    async def _parse_generate(request: Request) -> tuple[GenerateRequest, dict | None]:
-        """SGLang's body (which forbids unknown fields) and the router's PD field beside it."""
-        body = await request.body()
-        data = parse_json(body)
-        if "kvrelay_pd" in data:
-            _check_pd_auth(request, body)
-        pd = data.pop("kvrelay_pd", None)
-        return validate(GenerateRequest, data), pd
+    async def _parse(request: Request, schema):
+        return validate(schema, await _body_data(request))
 
     def _check_pd_auth(request: Request, body: bytes) -> None:
         if not pd_secret:
@@ -643,8 +640,8 @@ class StepProfileRequest(BaseModel):
 
 
 def _child_seed(seed: int, index: int) -> int:
-    """Sample `index`'s seed, kept in the int64 range the seed field allows."""
-    return seed if index == 0 else (seed + index + 2**63) % 2**64 - 2**63
+    """Sample `index`'s seed, kept in the int64 range the seed field allows (index 0: seed)."""
+    return (seed + index + 2**63) % 2**64 - 2**63
 
 
 def _usage(prompt_ids: list[int], gens: list[Generation]) -> dict:

@@ -12,11 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvrelay.kernels.triton_fp8_linear import fp8_linear_reference
+from kvrelay.kernels.triton_fp8_linear import fp8_linear, fp8_linear_reference
 from kvrelay.models.deepseek_v4.attention import GroupedLinear
 from kvrelay.quant.fp8_block import quantize_fp8_block, ue8m0_to_float
-
-LINEAR_WEIGHTS = ("auto", "fp8")  # auto: the model dtype
 
 
 class Fp8Linear(nn.Module):
@@ -32,8 +30,6 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.dtype != torch.float64:
-            from kvrelay.kernels.triton_fp8_linear import fp8_linear
-
             return fp8_linear(x, self.weight, self.weight_scale, self.groups)
         return fp8_linear_reference(x, self.weight, self.weight_scale, self.groups)
 
