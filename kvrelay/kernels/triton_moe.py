@@ -27,15 +27,16 @@ in registers: both nibbles of a byte become two fp16 in one 32-bit word by two m
 two masks (`_e2m1_pair`, exact: e2m1 * 2^-14, fp16 keeps the one subnormal), each scale of the
 [BLOCK_N, BLOCK_K/16] e4m3 tile is converted once and spread over its 8 bytes; the even and
 odd elements (low and high nibbles) stay apart and meet the even and odd columns of x in two
-dots (a sum over K in any order is the same sum; no interleaving shuffle per weight). Default route: weight = e2m1 *
-(scale * global scale) in fp32, rounded once to x.dtype; the reference computes (e2m1 *
-scale) * global (exact, then rounded), so ours can differ by one fp32 ulp before the same
-rounding, and dense and NVFP4 outputs match the reference up to summation order.
-fp16_mma route (NVFP4 with bf16 x, opt-in): weight = e2m1 * scale * 2^-7, exact in fp16
-(no fp32 round trip, fewer instructions per weight), x and act as fp16 (saturated at +-65504,
-exact inside that range), the global scale * 2^7 applied to the fp32 accumulator. Its
-weights are exact where the reference rounds them to bf16: closer to the true product (about
-half the reference's error against an fp64 oracle) but about 5e-3 from the reference itself.
+dots (a sum over K in any order is the same sum; no interleaving shuffle per weight).
+NVFP4 with bf16 x (the serving route): weight = e2m1 * scale * 2^-7, exact in bf16 (at most 5
+significant bits), built from four packed bytes at a time in a few integer instructions and one
+bf16x2 multiply (`_E2M1_BF16_ASM`); the global scale * 2^7 is applied to the fp32 accumulator.
+The reference instead rounds e2m1 * scale * global to bf16 per weight, so these weights are
+closer to the true product (about half the reference's error against an fp64 oracle) and about
+5e-3 from the reference itself. fp32 x (and MXFP4): weight = e2m1 * (scale * global scale) in
+fp32, rounded once to x.dtype, as the reference computes it up to one fp32 ulp: outputs match
+the reference up to summation order. fp16_mma route (NVFP4 with bf16 x, opt-in): the same exact
+weights in fp16, x and act as fp16 (saturated at +-65504, exact inside that range).
 """
 
 from __future__ import annotations
@@ -69,17 +70,16 @@ class MoeConfig:
 
 
 def default_config(n_assign: int, num_experts: int) -> MoeConfig:
-    """Decode (a few rows per expert): BLOCK_M 16, each routed expert's weights read once per
-    step; from a few experts on, weights as the dot's left operand (SWAP_AB) with BLOCK_N 64.
-    Prefill: bigger blocks, so that each weight tile is decoded once for more rows (the NVFP4
-    decode, not the MMA, is the costly part on Hopper). Picked by the H200 sweep
-    (benchmarks/moe_kernel.py --sweep, results/moe_kernel_h200.json): T=1 91 us, T=8 487,
-    T=64 2020, T=256 2658, T=4096 6376 (fp16_mma, opt-in, 5772 there)."""
+    """Decode (a few rows per expert): BLOCK_M 16, BLOCK_N 64, each routed expert's weights read
+    once per step; with bf16 x the decoded weights then reach the MMA in registers (no
+    shared-memory round trip), where SWAP_AB (weights as the dot's left operand) and BLOCK_N 32
+    go through shared memory and shuffles. Prefill: bigger blocks, so that each weight tile is
+    decoded once for more rows. Picked by the H200 sweep (benchmarks/moe_kernel.py --sweep):
+    T=1 67 us, T=8 313, T=64 1312, T=256 1760 (NVFP4, bf16 x; 91 / 476 / 2020 / 2658 with the
+    fp32-scaled decode before the packed bf16 one)."""
     per_expert = n_assign / max(num_experts, 1)
-    if n_assign <= 8:
-        return MoeConfig(16, 32, 128, 4, 3)
     if per_expert <= 12:
-        return MoeConfig(16, 64, 128, 4, 3, swap_ab=True)
+        return MoeConfig(16, 64, 128, 4, 3)
     if per_expert <= 32:
         return MoeConfig(32, 32, 128, 4, 3)
     if per_expert <= 64:
@@ -170,6 +170,40 @@ def _e2m1_pair(b):
     return lo, hi
 
 
+# Four packed bytes (8 e2m1 codes) -> their low nibbles and their high nibbles as bf16 pairs,
+# each e2m1 * 2^-126 exactly (code bits 2-0 to bf16 bits 8-6, the sign to bit 15: code 1 is the
+# subnormal 2^-127), times the bf16 scale pair of those bytes: e2m1 * scale * 2^-7, exact (at
+# most 5 significant bits, never below 2^-17). A PRMT spreads two bytes into the two 16-bit
+# lanes of a register; per plane, one mask keeps the nibble, one multiply places both of its
+# shifted copies (magnitude and sign; they cannot overlap, so no carries), one mask keeps the
+# bf16 bits, and one bf16x2 multiply scales: ~2.3 instructions per weight (fp32 route: ~8).
+_E2M1_BF16_ASM = tl.constexpr("""
+{
+.reg .b32 x, a;
+prmt.b32 x, $4, 0, 0x4140;
+and.b32 a, x, 0x000F000F;  mul.lo.u32 a, a, 0x1040;  and.b32 a, a, 0x81C081C0;
+mul.rn.bf16x2 $0, a, $5;
+and.b32 a, x, 0x00F000F0;  mul.lo.u32 a, a, 0x104;  and.b32 a, a, 0x81C081C0;
+mul.rn.bf16x2 $2, a, $5;
+prmt.b32 x, $4, 0, 0x4342;
+and.b32 a, x, 0x000F000F;  mul.lo.u32 a, a, 0x1040;  and.b32 a, a, 0x81C081C0;
+mul.rn.bf16x2 $1, a, $6;
+and.b32 a, x, 0x00F000F0;  mul.lo.u32 a, a, 0x104;  and.b32 a, a, 0x81C081C0;
+mul.rn.bf16x2 $3, a, $6;
+}
+""")
+
+
+@_jit
+def _e2m1_bf16_scaled(raw, sc):
+    # raw: packed bytes [R, C] (uint8), sc: bf16 [R, C] scale * 2^119 of each byte ->
+    # (low nibbles, high nibbles) as bf16 [R, C], e2m1 * scale * 2^-7 (see _E2M1_BF16_ASM).
+    return tl.inline_asm_elementwise(
+        _E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r", [raw, sc],
+        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+    )  # fmt: skip
+
+
 @_jit
 def _scale_tile(
     s_ptr, rows, rmask, k0, K, stride_sn,
@@ -216,21 +250,28 @@ def _fp4_halves(
         m = rmask[:, None]
     else:
         m = rmask[:, None] & (kb < K // 2)[None, :]
-    b = tl.load(p_ptr + rows[:, None] * stride_pn + kb[None, :], mask=m, other=0).to(tl.int32)
-    lo, hi = _e2m1_pair(b)
+    raw = tl.load(p_ptr + rows[:, None] * stride_pn + kb[None, :], mask=m, other=0)
     # if/else rather than early returns: the compiler still builds the code after a return
     # in a constexpr branch, and the NVFP4 shapes do not fit an MXFP4 scale tile.
     if MX:
+        lo, hi = _e2m1_pair(raw.to(tl.int32))
         w_even = (lo.to(tl.float32) * scm).to(DT)
         w_odd = (hi.to(tl.float32) * scm).to(DT)
     else:
         s8 = s.to(tl.float8e4nv, bitcast=True)
-        if DT == tl.float16:
+        if DT == tl.bfloat16:
+            # e4m3 scale * 2^119 in bf16 (exact: 4 significant bits, <= 448 * 2^119 < 2^128)
+            sc = (s8.to(tl.float32) * 6.646139978924579e35).to(tl.bfloat16)
+            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [R, G, 8]), [R, BKH])
+            w_even, w_odd = _e2m1_bf16_scaled(raw, sc)
+        elif DT == tl.float16:
+            lo, hi = _e2m1_pair(raw.to(tl.int32))
             sc = s8.to(tl.float16) * 128.0  # <= 448 * 128 < 65504: exact
             sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [R, G, 8]), [R, BKH])
             w_even = lo * sc
             w_odd = hi * sc
         else:
+            lo, hi = _e2m1_pair(raw.to(tl.int32))
             sc = s8.to(tl.float32) * (gs * 16384.0)
             sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [R, G, 8]), [R, BKH])
             w_even = (lo.to(tl.float32) * sc).to(DT)
@@ -331,7 +372,7 @@ def _gate_up_kernel(
             acc_u, xk, w_e, su, gs_u, up_rows, nmask, k0, K, stride_wn,
             BN, BM, BK, DT, FP4, EVEN_K, SWAP, PREC, MX,
         )  # fmt: skip
-    if FP4 and DT == tl.float16:  # the fp16 route leaves gs * 2^7 to the accumulator
+    if FP4 and not MX and DT != tl.float32:  # exact-weight routes leave gs * 2^7 to acc
         acc_g = acc_g * (gs_g * 128.0)
         acc_u = acc_u * (gs_u * 128.0)
     gate = acc_g.to(ODT).to(tl.float32)  # F.linear's output is x.dtype
@@ -401,7 +442,7 @@ def _down_kernel(
             acc, xk, w_e, sk, gs, w_rows, nmask, k0, K, stride_wn,
             BN, BM, BK, DT, FP4, EVEN_K, SWAP, PREC, MX,
         )  # fmt: skip
-    if FP4 and DT == tl.float16:  # the fp16 route leaves gs * 2^7 to the accumulator
+    if FP4 and not MX and DT != tl.float32:  # exact-weight routes leave gs * 2^7 to acc
         acc = acc * (gs * 128.0)
     y = acc.to(y_ptr.dtype.element_ty)  # x.dtype, as F.linear rounds it
     y_rows = a.to(tl.int64) * N

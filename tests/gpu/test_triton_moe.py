@@ -175,8 +175,9 @@ def _exact_oracle(ex: Fp4Experts, x, w, idx) -> torch.Tensor:
 
 @pytest.mark.parametrize("t", [7, 64])
 def test_nvfp4_routes_against_an_fp64_oracle(t) -> None:
-    """The default route rounds the weights as the reference does: as far from the exact
-    result as the reference; the fp16-MMA route keeps them exact: closer than the reference."""
+    """Both bf16 routes keep the NVFP4 weights exact (e2m1 * scale in bf16 or fp16, the global
+    scale on the accumulator) where the reference rounds each weight to bf16: both are closer
+    to the exact result than the reference is."""
     gen = torch.Generator(device="cuda").manual_seed(100 + t)
     ex = _experts(16, 1024, 512, True, torch.bfloat16, gen)
     for _ in range(2):
@@ -186,7 +187,7 @@ def test_nvfp4_routes_against_an_fp64_oracle(t) -> None:
         ref = _rel(ex.forward(x, w, idx), exact)
         default = _rel(fused_experts(x, w, idx, ex), exact)
         f16 = _rel(fused_experts(x, w, idx, ex, MoeConfig(16, 32, 128, 4, 3, False, True)), exact)
-        assert default < 1.2 * ref and f16 < ref, (ref, default, f16)
+        assert default < ref and f16 < ref, (ref, default, f16)
 
 
 @pytest.fixture(scope="module")
