@@ -78,7 +78,26 @@ def registers(kernel) -> int:
     return int(m.group(1)) if m else -1
 
 
-def report(name: str, kernel) -> None:
+def main_loop(code: str) -> list[str]:
+    """The instructions of the longest loop (a backward branch to a label) in the SASS."""
+    lines = code.splitlines()
+    labels = {m.group(1): i for i, ln in enumerate(lines) if (m := re.match(r"\.L_x_(\d+):", ln))}
+    best: list[str] = []
+    for i, ln in enumerate(lines):
+        m = re.search(r"BRA\s+`?\(?\.L_x_(\d+)", ln)
+        if m and labels.get(m.group(1), i) < i:
+            body = [
+                x for x in lines[labels[m.group(1)] : i + 1] if re.match(r"\s+/\*[0-9a-f]{4}\*/", x)
+            ]
+            best = max(best, body, key=len)
+    return best
+
+
+def opcode(line: str) -> str:
+    return re.sub(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", line).split()[0].split(".")[0]
+
+
+def report(name: str, kernel, weights_per_iter: float | None = None) -> None:
     ttgir = kernel.asm["ttgir"]
     ir = {
         k: len(re.findall(p, ttgir))
@@ -94,6 +113,10 @@ def report(name: str, kernel) -> None:
     counts = {k: len(re.findall(p, code, re.M)) for k, p in SASS_GROUPS.items()}
     print(f"{name}: regs={registers(kernel)} smem={kernel.metadata.shared} ttgir={ir}")
     print("   sass:", counts)
+    loop = main_loop(code)
+    ops = collections.Counter(opcode(x) for x in loop)
+    per = f", {len(loop) / weights_per_iter:.2f} per weight" if weights_per_iter else ""
+    print(f"   main loop: {len(loop)} instructions per thread{per}: {dict(ops.most_common(10))}")
 
 
 if __name__ == "__main__":
@@ -120,7 +143,7 @@ if __name__ == "__main__":
         "stride_se": "i64",
         "stride_sn": "i32",
     }
-    for cfg in (tm.MoeConfig(16, 32, 128, 4, 3), tm.MoeConfig(16, 64, 128, 4, 3, swap_ab=True)):
+    for cfg in (tm.MoeConfig(16, 64, 128, 4, 3), tm.MoeConfig(16, 64, 128, 4, 3, swap_ab=True)):
         ce = {
             "FP4": True,
             "HAS_LIMIT": True,
@@ -135,4 +158,4 @@ if __name__ == "__main__":
             "ODT": triton.language.bfloat16,
         }
         k = compile_kernel(tm._gate_up_kernel, base, ce, cfg.num_warps, cfg.num_stages)
-        report(f"gate_up nvfp4 {cfg}", k)
+        report(f"gate_up nvfp4 {cfg}", k, 2 * cfg.block_n * cfg.block_k / (32 * cfg.num_warps))
