@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,22 +26,39 @@ from kvrelay.engine.messages import SamplingParams
 from kvrelay.engine.request import Request
 from kvrelay.engine.scheduler import ScheduledRequest
 from kvrelay.models import registry
-from kvrelay.weights.loader import ModelSource
+from kvrelay.weights.loader import ModelSource, resolve
 
+AGENT = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "dsv4-tiny-agent"
 # 4 prompts x 24 tokens; the longest (70 + 24) fills the 16-token window, makes ratio-16 and
 # ratio-4 entries, and lets the indexer (top-8) drop most of them.
 PROMPTS = [[5, 17, 201, 42, 7], [100, 200, 30], [9] * 11, [(i * 37) % 250 for i in range(70)]]
+# The trained agent (peaked logits, real DSML tool calls): its chat prompts.
+QUESTIONS = ["What is the weather in Lima?", "Add 7 and 90.", "Count from 4 to 9.", "Hi"]
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
-def _source() -> ModelSource:
-    return ModelSource("dsv4-tiny", "dummy", None, registry.preset("dsv4-tiny")[1], "", None)
+def _source(model: str) -> ModelSource:
+    if model == "dsv4-tiny":
+        return ModelSource(model, "dummy", None, registry.preset(model)[1], "", None)
+    return resolve(model, "auto", None)
 
 
-def _config(tp: int, ep: bool = False, backend: str = "auto") -> EngineConfig:
+def _prompts(model: str) -> list[list[int]]:
+    if model == "dsv4-tiny":
+        return PROMPTS
+    from transformers import AutoTokenizer
+
+    from kvrelay.server.tools.dsv4_chat import encode_messages
+
+    tok = AutoTokenizer.from_pretrained(model)
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    return [tok(encode_messages(c, None), add_special_tokens=False).input_ids for c in chats]
+
+
+def _config(model: str, tp: int, ep: bool = False, backend: str = "auto") -> EngineConfig:
     return EngineConfig(
-        model="dsv4-tiny",
-        load_format="dummy",
+        model=model,
+        load_format="dummy" if model == "dsv4-tiny" else "auto",
         dtype="float32",
         device="cpu",
         attention_backend=backend,
@@ -50,10 +68,10 @@ def _config(tp: int, ep: bool = False, backend: str = "auto") -> EngineConfig:
     )
 
 
-def _prefill_logits(engine: Engine) -> torch.Tensor:
+def _prefill_logits(engine: Engine, prompts: list[list[int]]) -> torch.Tensor:
     """Logits of every row of one prefill batch of every prompt, straight through the runner."""
     sched, batch = engine.scheduler, []
-    for i, ids in enumerate(PROMPTS):
+    for i, ids in enumerate(prompts):
         req = Request(f"p{i}", ids, PARAMS, i)
         req.pages = sched.page_pool.alloc(-(-len(ids) // engine.runner.page_size))
         req.state_slot = sched.slot_pool.alloc(1)[0]
@@ -67,8 +85,9 @@ def _prefill_logits(engine: Engine) -> torch.Tensor:
 
 
 def _run(engine: Engine) -> tuple[torch.Tensor, list[list[int]]]:
-    logits = _prefill_logits(engine)
-    outs = generate(engine, PROMPTS, PARAMS)
+    prompts = _prompts(engine.cfg.model)
+    logits = _prefill_logits(engine, prompts)
+    outs = generate(engine, prompts, PARAMS)
     return logits, [[t for o in out for t in o.token_ids] for out in outs]
 
 
@@ -77,10 +96,10 @@ def _rank(rank: int, port: int, cfg: EngineConfig, results) -> None:
     from kvrelay.engine.tp_worker import follower_main, init_distributed
 
     if rank > 0:
-        follower_main(cfg, rank, "127.0.0.1", port, _source())
+        follower_main(cfg, rank, "127.0.0.1", port, _source(cfg.model))
         return
     init_distributed(0, cfg.tensor_parallel_size, "127.0.0.1", port, "cpu")
-    engine = Engine(cfg, _source())
+    engine = Engine(cfg, _source(cfg.model))
     try:
         logits, tokens = _run(engine)
         results.put((logits.numpy(), tokens))  # numpy: a tensor would travel as shared memory
@@ -115,19 +134,35 @@ def run_ranks(cfg: EngineConfig) -> tuple[torch.Tensor, list[list[int]]]:
     return torch.from_numpy(logits), tokens
 
 
-@pytest.fixture(scope="module")
-def single() -> dict[str, tuple[torch.Tensor, list[list[int]]]]:
-    torch.set_num_threads(1)
-    return {b: _run(Engine(_config(1, backend=b), _source())) for b in ("auto", "reference")}
+_single: dict[tuple[str, str], tuple[torch.Tensor, list[list[int]]]] = {}
+
+
+def single(model: str, backend: str) -> tuple[torch.Tensor, list[list[int]]]:
+    """TP=1 (logits, tokens), computed once per model and backend."""
+    if (model, backend) not in _single:
+        torch.set_num_threads(1)
+        _single[model, backend] = _run(Engine(_config(model, 1, backend=backend), _source(model)))
+    return _single[model, backend]
+
+
+def check_tp2(model: str, ep: bool, backend: str = "auto") -> None:
+    logits, tokens = run_ranks(_config(model, 2, ep, backend))
+    want_logits, want_tokens = single(model, backend)
+    assert logits.shape == want_logits.shape
+    torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
+    assert tokens == want_tokens
+    assert all(len(t) == PARAMS.max_tokens for t in tokens)
 
 
 @pytest.mark.parametrize(
     "ep,backend", [(False, "auto"), (True, "auto"), (False, "reference")], ids=str
 )
-def test_tp2_matches_tp1(single, ep: bool, backend: str):
-    logits, tokens = run_ranks(_config(2, ep, backend))
-    want_logits, want_tokens = single[backend]
-    assert logits.shape == want_logits.shape
-    torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
-    assert tokens == want_tokens
-    assert all(len(t) == PARAMS.max_tokens for t in tokens)
+def test_tp2_matches_tp1(ep: bool, backend: str):
+    check_tp2("dsv4-tiny", ep, backend)
+
+
+@pytest.mark.skipif(not (AGENT / "config.json").is_file(), reason=f"no model at {AGENT}")
+@pytest.mark.parametrize("ep", [False, True], ids=["tp2", "tp2+ep"])
+def test_agent_tp2_matches_tp1(ep: bool):
+    """The trained agent's real weights (its chat prompts, 4 x 24 greedy tokens)."""
+    check_tp2(str(AGENT), ep)
