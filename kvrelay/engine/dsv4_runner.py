@@ -81,9 +81,10 @@ class DeepseekV4Runner:
             self.graphs = Dsv4GraphRunner(self, cfg.max_cuda_graph_batch, self.max_model_len)
         log.info(
             "runner ready model=deepseek_v4 device=%s dtype=%s pages=%d page_size=%d "
-            "slots=%d max_model_len=%d index_k=%s",
+            "slots=%d max_model_len=%d index_k=%s tp_rank=%d/%d expert_parallel=%s",
             self.device, self.dtype, num_pages, self.page_size, num_slots - 1,
-            self.max_model_len, cfg.cache.index_k_dtype,
+            self.max_model_len, cfg.cache.index_k_dtype, self.tp.rank, self.tp.world,
+            cfg.expert_parallel,
         )  # fmt: skip
 
     def _num_pages(self, num_slots: int) -> int:
@@ -232,6 +233,10 @@ def check_parallel(cfg: EngineConfig, device: torch.device) -> None:
         )
     if cfg.linear_weights != "auto":
         raise ValueError(f"--linear-weights {cfg.linear_weights} is not supported with TP yet")
+    # Every rank holds the whole cache (one shared KV head), so rank 0 alone can send a prefill's
+    # cache; a decode side would have to install the received rows on every rank.
+    if cfg.role == "decode":
+        raise ValueError("DeepSeek-V4 tensor parallel serves the single and prefill roles only")
 
 
 def _pick_ops(backend: str, device: torch.device) -> tuple[AttentionOps, LayerKernels | None]:

@@ -73,7 +73,7 @@ def check_supported(cfg: EngineConfig, src: ModelSource) -> None:
         check_parallel(cfg, pick_device(cfg.device))
     elif family is not registry.DENSE:
         raise ValueError(f"tensor parallel does not serve {family.name} models yet")
-    if cfg.role != "single":
+    elif cfg.role != "single":
         raise ValueError("tensor parallel is not supported with prefill-decode roles yet")
 
 

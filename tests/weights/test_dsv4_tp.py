@@ -135,6 +135,7 @@ def test_moe_over_two_ranks_matches_one(ep: bool):
         ({"attention_backend": "triton"}, "CPU"),
         ({"linear_weights": "fp8"}, "linear-weights fp8"),
         ({"tensor_parallel_size": 1, "expert_parallel": True}, "expert-parallel needs"),
+        ({"role": "decode"}, "single and prefill roles only"),
     ],
 )
 def test_unsupported_combinations_are_refused(changes, match):
