@@ -19,8 +19,8 @@ from kvrelay.weights.dsv4_tp import shard_model
 CFG = preset("dsv4-tiny")  # 4 heads, 2 output groups, 16 index heads, 8 experts, vocab 256
 
 
-def _model() -> DeepseekV4ForCausalLM:
-    model = DeepseekV4ForCausalLM(CFG, torch.float32, with_mtp=False)
+def _model(experts: str = "dense") -> DeepseekV4ForCausalLM:
+    model = DeepseekV4ForCausalLM(CFG.with_(expert_format=experts), torch.float32, with_mtp=False)
     init_dummy_weights(model, 0)
     return model.eval()
 
@@ -71,7 +71,7 @@ def test_rank_holds_its_slices(ep: bool):
     assert torch.equal(part.lm_head.weight, full.lm_head.weight[128:])
 
 
-def _moe_rank(rank: int, port: int, ep: bool, results) -> None:
+def _moe_rank(rank: int, port: int, ep: bool, experts: str, results) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -79,7 +79,7 @@ def _moe_rank(rank: int, port: int, ep: bool, results) -> None:
 
     init_distributed(rank, 2, "127.0.0.1", port, "cpu")
     try:
-        model = _model()
+        model = _model(experts)
         shard_model(model, TPGroup.from_default(2), expert_parallel=ep)
         x, ids = _moe_input()
         with torch.no_grad():  # layer 0 is hash-routed, layer 2 bias-routed
@@ -96,16 +96,18 @@ def _moe_input() -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randint(0, CFG.vocab_size, (96,), generator=g)
 
 
+@pytest.mark.parametrize("experts", ["dense", "nvfp4"])
 @pytest.mark.parametrize("ep", [True, False], ids=["ep2", "tp2"])
-def test_moe_over_two_ranks_matches_one(ep: bool):
-    """The MoE alone, hash- and bias-routed: two ranks' partial outputs summed == one rank,
-    with tokens routed to both ranks' experts."""
+def test_moe_over_two_ranks_matches_one(ep: bool, experts: str):
+    """The MoE alone, hash- and bias-routed, dense or packed NVFP4 experts (cut by packed
+    bytes and scale blocks): two ranks' partial outputs summed == one rank, with tokens routed
+    to both ranks' experts."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_moe_rank, args=(r, port, ep, results)) for r in range(2)]
+    procs = [ctx.Process(target=_moe_rank, args=(r, port, ep, experts, results)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -116,7 +118,7 @@ def test_moe_over_two_ranks_matches_one(ep: bool):
             if p.is_alive():
                 p.kill()
     assert [p.exitcode for p in procs] == [0, 0]
-    model = _model()
+    model = _model(experts)
     x, ids = _moe_input()
     for out, i in zip(outs, (0, 2), strict=True):
         mlp = model.model.layers[i].mlp
