@@ -1,5 +1,6 @@
-"""DeepSeek-V4 PD with a tensor-parallel prefill side: prefill TP=2 (two gloo ranks, rank 0
-sends the cache, which every rank holds whole) and decode TP=1 == one single TP=1 server.
+"""DeepSeek-V4 PD with a tensor-parallel prefill side: prefill TP=2 with expert parallel (two
+gloo ranks; rank 0 sends the cache, which every rank holds whole) and decode TP=1 == one single
+TP=1 server.
 
 The trained dsv4-tiny-agent (real weights, peaked logits, no QAT simulation) in float32 on the
 CPU; prefill runs 22-token chunks, so chunks end mid-window. Greedy text must be identical;
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.skipif(not (AGENT / "config.json").is_file(), reason=f"
 MODEL = "dsv4-tiny-agent"
 SERVE = ("--model", str(AGENT), "--served-model-name", MODEL, "--device", "cpu")
 SERVE += ("--dtype", "float32")
+PREFILL = ("--max-num-batched-tokens", "22", "--tensor-parallel-size", "2", "--expert-parallel")
 STORY = (
     "The old lighthouse keeper climbed the spiral stairs every evening, counting the steps, "
     "listening to the sea, and writing the weather into a leather notebook. "
@@ -33,7 +35,7 @@ def stacks():
         fs = ex.submit(ServerProcess, *SERVE, "--max-total-tokens", "4096")
         fp = ex.submit(
             PDStack,
-            prefill_args=("--max-num-batched-tokens", "22", "--tensor-parallel-size", "2"),
+            prefill_args=PREFILL,
             max_total_tokens=4096,
             model=SERVE,
         )
