@@ -133,6 +133,8 @@ class MoE(nn.Module):
         if not self.tp.is_parallel:
             return add_wide(routed, shared)
         # One all-reduce of routed + shared partial sums, wide like add_wide, then the dtype.
+        # gloo sums in a fixed order, so every rank gets the same bits (not TP=1's: another
+        # association of the same float32 terms).
         return self.tp.all_reduce(routed + wide(shared)).to(shared.dtype)
 
 
