@@ -80,8 +80,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=d.tensor_parallel_size,
         metavar="N",
-        help="ranks of one engine (dense models; gloo on CPU, NCCL on GPU): rank 0 schedules "
-        "and broadcasts each step; each rank holds 1/N of the heads, MLP, vocabulary and KV",
+        help="ranks of one engine (gloo on CPU, NCCL on GPU; DeepSeek-V4: CPU only, so far): "
+        "rank 0 schedules and broadcasts each step; each rank holds 1/N of the heads, MLP, "
+        "vocabulary and (dense) KV",
+    )
+    g.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="DeepSeek-V4 with --tensor-parallel-size N: each rank holds E/N whole routed "
+        "experts (instead of 1/N of every expert's intermediate dim); outputs are all-reduced",
     )
     g.add_argument(
         "--page-size",
@@ -299,6 +306,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         max_model_len=a.max_model_len,
         seed=a.seed,
         tensor_parallel_size=a.tensor_parallel_size,
+        expert_parallel=a.expert_parallel,
         cache=CacheConfig(
             page_size=a.page_size,
             max_total_tokens=a.max_total_tokens,

@@ -112,8 +112,10 @@ class EngineConfig:
     # Test-only: from the N-th batch step on, every forward raises, as after a sticky CUDA error.
     fault_sticky_error_after: int = 0
     role: str = "single"  # single | prefill | decode
-    # Ranks of one engine (dense models): rank 0 schedules and broadcasts each step's batch.
+    # Ranks of one engine: rank 0 schedules and broadcasts each step's batch.
     tensor_parallel_size: int = 1
+    # DeepSeek-V4 under TP: routed experts split by expert (E/N per rank), not by intermediate dim.
+    expert_parallel: bool = False
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
 

@@ -13,9 +13,11 @@ from kvrelay.cache.paging import pages_for
 from kvrelay.config import EngineConfig
 from kvrelay.disagg.layout import PAGE, SLOT, CacheKind
 from kvrelay.engine import prompt_logprobs
+from kvrelay.engine.dsv4_step import Dsv4Step, plan_step, recv_step, send_step, send_stop
 from kvrelay.engine.prompt_logprobs import PromptRows, StepLogits
 from kvrelay.engine.runner import cache_budget, pick_device, pick_dtype
 from kvrelay.engine.scheduler import ScheduledRequest
+from kvrelay.layers.parallel import TPGroup
 from kvrelay.layers.step_profile import StepProfiler
 from kvrelay.models.deepseek_v4.batch_meta import build_meta
 from kvrelay.models.deepseek_v4.batched import forward_batched
@@ -26,6 +28,7 @@ from kvrelay.models.deepseek_v4.layer import LayerKernels
 from kvrelay.models.deepseek_v4.norms import use_norm_kernel
 from kvrelay.models.deepseek_v4.paged import PagedSequence, forward_paged
 from kvrelay.models.deepseek_v4.pooled_attention import AttentionOps
+from kvrelay.weights.dsv4_tp import shard_model
 from kvrelay.weights.loader import ModelSource, build_model
 
 log = logging.getLogger("kvrelay.runner")
@@ -33,17 +36,21 @@ log = logging.getLogger("kvrelay.runner")
 
 class DeepseekV4Runner:
     def __init__(self, cfg: EngineConfig, src: ModelSource) -> None:
-        if cfg.tensor_parallel_size != 1:  # never a silent single-rank run
-            raise ValueError("DeepSeek-V4 has no tensor parallelism yet (--tensor-parallel-size 1)")
         self.cfg = cfg
         self.device = pick_device(cfg.device)
         self.dtype = pick_dtype(cfg.dtype, self.device)
+        check_parallel(cfg, self.device)
+        # Tensor parallel: torch.distributed is already initialised by whoever started the rank.
+        self.tp = TPGroup.from_default(cfg.tensor_parallel_size)
         c = self.model_cfg = src.config
         self.page_size = dsv4_page_size(c, cfg.cache.page_size)
         torch.manual_seed(cfg.seed)
+        # Built whole (the weights of TP=1), then cut to this rank's part.
         self.model = build_model(src, self.dtype, self.device, cfg.seed)
+        shard_model(self.model, self.tp, cfg.expert_parallel)
         num_slots = cfg.scheduler.max_running_requests + 1  # slot 0 is never handed out
-        num_pages = self._num_pages(num_slots)
+        # The pools are the same on every rank (one shared KV head): the same page ids everywhere.
+        num_pages = self.tp.min_int(self._num_pages(num_slots))
         self.cache = DeepseekV4CachePool(
             c, num_pages, self.page_size, num_slots, self.dtype, self.device,
             cfg.cache.index_k_dtype,
@@ -74,9 +81,10 @@ class DeepseekV4Runner:
             self.graphs = Dsv4GraphRunner(self, cfg.max_cuda_graph_batch, self.max_model_len)
         log.info(
             "runner ready model=deepseek_v4 device=%s dtype=%s pages=%d page_size=%d "
-            "slots=%d max_model_len=%d index_k=%s",
+            "slots=%d max_model_len=%d index_k=%s tp_rank=%d/%d expert_parallel=%s",
             self.device, self.dtype, num_pages, self.page_size, num_slots - 1,
-            self.max_model_len, cfg.cache.index_k_dtype,
+            self.max_model_len, cfg.cache.index_k_dtype, self.tp.rank, self.tp.world,
+            cfg.expert_parallel,
         )  # fmt: skip
 
     def _num_pages(self, num_slots: int) -> int:
@@ -143,34 +151,48 @@ class DeepseekV4Runner:
                 [s.req.state_slot for s in batch],
             )
             return StepLogits(logits.float(), [])
-        ids, sample_rows = _ids_and_sample_rows(batch, all_rows)
-        n = len(sample_rows)
         # Prompt-logprob rows ride along: the forward returns their hidden states too.
-        wanted = sample_rows + (rows.rows if rows is not None else [])
-        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
-        rows_t = torch.tensor(wanted, dtype=torch.long).to(self.device, non_blocking=True)
+        step = plan_step(batch, all_rows, rows.rows if rows is not None else [])
+        if self.tp.is_parallel:
+            if rows is not None:  # raised before the followers hear of this step
+                raise NotImplementedError("prompt logprobs are not supported with tensor parallel")
+            send_step(step, self.tp, self.device)
+        logits, hidden = self._forward_step(step, profile)
+        if rows is None:
+            return StepLogits(logits, [])
+        vocab = self.model_cfg.vocab_size
+        head = self.model.compute_logits
+        return StepLogits(
+            logits, prompt_logprobs.score(hidden[step.n_sampled :], head, vocab, rows)
+        )
+
+    def _forward_step(self, step: Dsv4Step, profile) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float32 logits of the sampled rows, final hidden states of every wanted row)."""
+        input_ids = torch.tensor(step.ids, dtype=torch.long).to(self.device, non_blocking=True)
+        rows_t = torch.tensor(step.rows, dtype=torch.long).to(self.device, non_blocking=True)
         if self.reference:
-            hidden = self._hidden_reference(batch, input_ids, rows_t, profile)
+            hidden = self._hidden_reference(step, input_ids, rows_t, profile)
         else:
             meta = build_meta(
-                [s.req.num_computed for s in batch],
-                [s.num_new_tokens for s in batch],
-                [s.req.pages for s in batch],
-                [s.req.state_slot for s in batch],
-                self.ratios,
-                self.page_size,
+                step.starts, step.counts, step.pages, step.slots, self.ratios, self.page_size,
                 self.device,
-            )
+            )  # fmt: skip
             hidden = forward_batched(
                 self.model, input_ids, meta, self.cache, rows_t, self.ops, self.kernels, profile,
                 head=False,
             )  # fmt: skip
-        head = self.model.lm_head
-        logits = head(hidden[:n]).float()
-        if rows is None:
-            return StepLogits(logits, [])
-        vocab = self.model_cfg.vocab_size
-        return StepLogits(logits, prompt_logprobs.score(hidden[n:], head, vocab, rows))
+        return self.model.compute_logits(hidden[: step.n_sampled]).float(), hidden
+
+    def follow(self) -> None:
+        """Ranks > 0 of tensor parallel: run each step rank 0 broadcasts until it says stop."""
+        with torch.inference_mode():
+            while (step := recv_step(self.tp, self.device)) is not None:
+                self._forward_step(step, None)
+
+    def stop_followers(self) -> None:
+        """Rank 0: end the followers' `follow` loops."""
+        if self.tp.is_parallel and self.tp.rank == 0:
+            send_stop(self.tp, self.device)
 
     def _graphable(self, batch, profile, all_rows: bool) -> bool:
         """A decode step (one sampled token per request) that a captured graph covers; profiled
@@ -183,34 +205,38 @@ class DeepseekV4Runner:
             and self.graphs.can_run(max(s.req.num_computed for s in batch) + 1, len(batch))
         )
 
-    def _hidden_reference(self, batch, input_ids, rows_t, profile) -> torch.Tensor:
+    def _hidden_reference(self, step: Dsv4Step, input_ids, rows_t, profile) -> torch.Tensor:
         """The oracle path (per-sequence attention): final hidden states of the rows `rows_t`."""
         seqs: list[PagedSequence] = []
         first = 0
-        for s in batch:
-            r = s.req
-            pages = torch.tensor(r.pages, dtype=torch.long, device=self.device)
-            rows = slice(first, first + s.num_new_tokens)
-            seqs.append(PagedSequence(rows, r.num_computed, pages, r.state_slot))
-            first = rows.stop
+        for start, count, pages, slot in zip(
+            step.starts, step.counts, step.pages, step.slots, strict=True
+        ):
+            table = torch.tensor(pages, dtype=torch.long, device=self.device)
+            seqs.append(PagedSequence(slice(first, first + count), start, table, slot))
+            first += count
         return forward_paged(
             self.model, input_ids, seqs, self.cache, rows_t, self.layer_hook, profile, head=False
         )
 
 
-def _ids_and_sample_rows(batch: list[ScheduledRequest], all_rows: bool):
-    """The step's token ids back to back, and the rows whose logits are wanted: each sampling
-    request's last row, or every row with `all_rows`."""
-    ids: list[int] = []
-    sample_rows: list[int] = []
-    for s in batch:
-        first, start = len(ids), s.req.num_computed
-        ids += s.req.token_slice(start, start + s.num_new_tokens)
-        if all_rows:
-            sample_rows += range(first, len(ids))
-        elif s.samples:
-            sample_rows.append(len(ids) - 1)
-    return ids, sample_rows
+def check_parallel(cfg: EngineConfig, device: torch.device) -> None:
+    """DeepSeek-V4 TP/EP runs the torch path on the CPU (gloo) only, so far: refuse the rest."""
+    if cfg.expert_parallel and cfg.tensor_parallel_size < 2:
+        raise ValueError("--expert-parallel needs --tensor-parallel-size 2 or more")
+    if cfg.tensor_parallel_size == 1:
+        return
+    if device.type != "cpu" or cfg.attention_backend == "triton":
+        raise ValueError(
+            "DeepSeek-V4 tensor/expert parallel runs on the CPU (torch or reference attention "
+            "backend) only, so far: the Triton kernels and CUDA graphs are single-rank"
+        )
+    if cfg.linear_weights != "auto":
+        raise ValueError(f"--linear-weights {cfg.linear_weights} is not supported with TP yet")
+    # Every rank holds the whole cache (one shared KV head), so rank 0 alone can send a prefill's
+    # cache; a decode side would have to install the received rows on every rank.
+    if cfg.role == "decode":
+        raise ValueError("DeepSeek-V4 tensor parallel serves the single and prefill roles only")
 
 
 def _pick_ops(backend: str, device: torch.device) -> tuple[AttentionOps, LayerKernels | None]:

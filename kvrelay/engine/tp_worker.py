@@ -61,11 +61,19 @@ def follower_main(
 def check_supported(cfg: EngineConfig, src: ModelSource) -> None:
     if cfg.tensor_parallel_size < 1:
         raise ValueError("--tensor-parallel-size must be at least 1")
+    family = registry.family(src.config.architecture)
+    if cfg.expert_parallel and family is not registry.DEEPSEEK_V4:
+        raise ValueError("--expert-parallel is for DeepSeek-V4 (MoE) models")
     if cfg.tensor_parallel_size == 1:
         return
-    if registry.family(src.config.architecture) is not registry.DENSE:
-        raise ValueError("tensor parallel serves dense (Llama-family) models only, so far")
-    if cfg.role != "single":
+    if family is registry.DEEPSEEK_V4:  # refused before any follower starts
+        from kvrelay.engine.dsv4_runner import check_parallel
+        from kvrelay.engine.runner import pick_device
+
+        check_parallel(cfg, pick_device(cfg.device))
+    elif family is not registry.DENSE:
+        raise ValueError(f"tensor parallel does not serve {family.name} models yet")
+    elif cfg.role != "single":
         raise ValueError("tensor parallel is not supported with prefill-decode roles yet")
 
 

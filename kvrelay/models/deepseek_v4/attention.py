@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvrelay.layers.parallel import SINGLE
 from kvrelay.models.deepseek_v4.compressor import QUANT_FP8, QUANT_NONE, Compressor
 from kvrelay.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
 from kvrelay.models.deepseek_v4.fused_projections import project_all
@@ -64,6 +65,9 @@ class Attention(nn.Module):
         self.o_b_proj = nn.Linear(c.o_groups * c.o_lora_rank, h, bias=False, dtype=dtype)
         self.fused_in: torch.Tensor | None = None  # q_a and kv rows in one (fused_projections)
         self.sinks = nn.Parameter(torch.zeros(self.n_heads, dtype=wide_dtype(dtype)))
+        # Tensor parallel (weights/dsv4_tp.py): this rank's heads and output groups; the KV
+        # head, compressors and q_a stay whole, o_b_proj's output is a partial sum.
+        self.tp = SINGLE
 
         self.compressor: Compressor | None = None
         if layer_type != SLIDING:
@@ -151,4 +155,5 @@ class Attention(nn.Module):
         """Attention output [n, H, D] -> [n, hidden]: inverse RoPE, grouped projections."""
         o = apply_rope(o, cos, sin, inverse=True)  # V carried RoPE; make it relative again
         o = self.o_a_proj(o.reshape(o.shape[0], self.o_groups, -1)).flatten(1)
-        return self.o_b_proj(o)
+        o = self.o_b_proj(o)
+        return self.tp.all_reduce(o) if self.tp.is_parallel else o

@@ -44,4 +44,4 @@ def forward_batched(
 
             streams = layer.run(streams, input_ids, attend, profile, kernels)
         hidden = m.norm(m.hc_head(streams[sample_rows]))
-        return model.lm_head(hidden) if head else hidden
+        return model.compute_logits(hidden) if head else hidden

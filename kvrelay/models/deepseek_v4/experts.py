@@ -43,6 +43,8 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(x.shape[0], x.shape[1], dtype=weights.dtype, device=x.device)
         for e in idx.unique().tolist():
+            if e < 0:  # expert parallel: another rank's expert
+                continue
             tok, slot = torch.nonzero(idx == e, as_tuple=True)
             w_gate_up, w_down = self.expert_weights(e)
             gate, up = wide(F.linear(x[tok], w_gate_up)).chunk(2, dim=-1)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvrelay.layers.parallel import SINGLE
 from kvrelay.models.deepseek_v4.compressor import QUANT_FP4, QUANT_NONE, Compressor
 from kvrelay.models.deepseek_v4.precision import wide, wide_weight
 from kvrelay.models.deepseek_v4.qat import hadamard_fp4
@@ -48,6 +49,9 @@ class Indexer(Compressor):
         quant = QUANT_FP4 if qat else QUANT_NONE
         super().__init__(hidden_size, head_dim, ratio, True, rope, rope_dim, norm_eps, quant, dtype)
         self.n_heads = n_heads
+        # Tensor parallel: this rank scores with its n_heads of `all_heads`; the partial scores
+        # are summed over ranks before top-k, so every rank selects the same entries.
+        self.all_heads, self.tp = n_heads, SINGLE
         self.q_b_proj = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False, dtype=dtype)
         self.scorer = IndexerScorer(hidden_size, n_heads, dtype)
 
@@ -65,6 +69,8 @@ class Indexer(Compressor):
             s = torch.einsum("nhd,md->nhm", q[b : b + _QUERY_BLOCK], k).relu()
             out.append(torch.einsum("nhm,nh->nm", s, w[b : b + _QUERY_BLOCK]))
         score = torch.cat(out) if out else q.new_zeros(0, k.shape[0])
+        if self.tp.is_parallel:
+            self.tp.all_reduce(score)
         visible = (
             torch.arange(k.shape[0], device=x.device)[None, :]
             < ((positions + 1) // self.ratio)[:, None]
@@ -81,7 +87,8 @@ class Indexer(Compressor):
         if self.quant == QUANT_FP4:
             q = hadamard_fp4(q)
         xw = wide(x)
-        w = F.linear(xw, wide_weight(self.scorer.weights_proj.weight)) * (d**-0.5 * h**-0.5)
+        scale = d**-0.5 * self.all_heads**-0.5  # every head of the model, not of this rank
+        w = F.linear(xw, wide_weight(self.scorer.weights_proj.weight)) * scale
         return q, w
 
     def select(

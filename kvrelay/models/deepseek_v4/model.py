@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from kvrelay.layers.parallel import SINGLE, vocab_parallel_logits
 from kvrelay.models.deepseek_v4.config import HASH_MOE, DeepseekV4Config
 from kvrelay.models.deepseek_v4.layer import DecoderLayer
 from kvrelay.models.deepseek_v4.mhc import HyperHead
@@ -66,6 +67,16 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # Tensor parallel (weights/dsv4_tp.py): the embedding and head hold this rank's
+        # vocabulary rows; logits are all-gathered.
+        self.tp = SINGLE
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [n, V] of final hidden states [n, hidden], in the model dtype."""
+        if not self.tp.is_parallel:
+            return self.lm_head(hidden)
+        w = self.lm_head.weight
+        return vocab_parallel_logits(hidden, w, self.config.vocab_size, self.tp).to(hidden.dtype)
 
     @property
     def device(self) -> torch.device:
@@ -83,7 +94,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, SequenceState]:
         """Logits [n, vocab] for the next n tokens of a sequence ([n] ids), and the new state."""
         hidden, _, state = self.model(input_ids, state)
-        return self.lm_head(hidden), state
+        return self.compute_logits(hidden), state
 
     @torch.no_grad()
     def forward(
@@ -122,7 +133,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             0,
             self.new_mtp_state().layers[0],
         )
-        return self.lm_head(hidden), self.lm_head(mtp_hidden)
+        return self.compute_logits(hidden), self.compute_logits(mtp_hidden)
 
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load HF-named weights strictly, except that an absent MTP block is allowed (HF

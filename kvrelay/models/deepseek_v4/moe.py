@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvrelay.layers.parallel import SINGLE
 from kvrelay.models.deepseek_v4.config import DeepseekV4Config
 from kvrelay.models.deepseek_v4.experts import clamped_swiglu, make_experts
 from kvrelay.models.deepseek_v4.fused_projections import project_all
@@ -110,15 +111,34 @@ class MoE(nn.Module):
         self.gate = Router(config, hash_routed, dtype)
         self.experts = make_experts(config, dtype)
         self.shared_experts = SharedExpert(config, dtype)
+        # Tensor parallel (weights/dsv4_tp.py): the shared expert is column/row split; routed
+        # experts are split by intermediate dim, or with expert parallel this rank holds the
+        # experts first..first+count-1. Either way the output is a partial sum over ranks.
+        self.tp = SINGLE
+        self.local_experts: tuple[int, int] | None = None  # (first, count) under EP
 
     def forward(
         self, x: torch.Tensor, input_ids: torch.Tensor, experts_fn: Callable | None = None
     ) -> torch.Tensor:
         """`experts_fn(x, weights, idx, experts)`, if given, computes the routed experts (the
         fused kernel: no host sync); else their torch forward."""
-        weights, idx = self.gate(x, input_ids)
+        weights, idx = self.gate(x, input_ids)  # every rank routes identically
+        if self.local_experts is not None:
+            idx = local_expert_ids(idx, *self.local_experts)
         if experts_fn is not None:
             routed = experts_fn(x, weights, idx, self.experts)
         else:
             routed = self.experts(x, weights, idx)
-        return add_wide(routed, self.shared_experts(x))
+        shared = self.shared_experts(x)
+        if not self.tp.is_parallel:
+            return add_wide(routed, shared)
+        # One all-reduce of routed + shared partial sums, wide like add_wide, then the dtype.
+        # gloo sums in a fixed order, so every rank gets the same bits (not TP=1's: another
+        # association of the same float32 terms).
+        return self.tp.all_reduce(routed + wide(shared)).to(shared.dtype)
+
+
+def local_expert_ids(idx: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """Global expert ids -> this rank's local ids, -1 for experts other ranks hold."""
+    local = idx - first
+    return torch.where((local >= 0) & (local < count), local, -1)

@@ -70,4 +70,4 @@ def forward_paged(
     if on_layer is not None:
         on_layer(len(m.layers))
     hidden = m.norm(m.hc_head(streams[sample_rows]))
-    return model.lm_head(hidden) if head else hidden
+    return model.compute_logits(hidden) if head else hidden

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrelay.kernels.indexer_reference import indexer_scores_reference, select_reference
 from kvrelay.models.deepseek_v4.attention import Attention
 from kvrelay.models.deepseek_v4.batch_meta import BatchMeta, StepIndex
 from kvrelay.models.deepseek_v4.fusion import fusable
@@ -92,7 +93,13 @@ def _select(attn, x, qr, cos, sin, meta, index: StepIndex, pool, layer: int, ops
     q, w = ix.query(x, qr, cos, sin)
     keys, scale = pool.index_k_rows(layer)
     rows = index.entry_rows(r)
-    chosen = ops.indexer_topk(q, w, keys, scale, rows, meta.seq, index.visible(r), attn.index_topk)
+    if ix.tp.is_parallel:  # partial scores of this rank's heads, summed before the top-k
+        score = indexer_scores_reference(q, w, keys, scale, rows, meta.seq, index.visible(r))
+        chosen = select_reference(ix.tp.all_reduce(score), attn.index_topk)
+    else:
+        chosen = ops.indexer_topk(
+            q, w, keys, scale, rows, meta.seq, index.visible(r), attn.index_topk
+        )
     return rows_of_chosen(rows, meta.seq, chosen)
 
 
