@@ -152,7 +152,7 @@ class DeepseekV4CachePool:
                 total += page_size // cfg.compress_ratio(i) * d
             if kind == CSA:
                 total += page_size // cfg.csa_compress_ratio * di
-                prev += cfg.csa_compress_ratio * 2 * (d + di)  # page_prev kv + score, both
+                prev += cfg.csa_compress_ratio * 2 * (d + di)  # page_prev kv + score, main + index
         return total * dtype.itemsize + prev * wide_dtype(dtype).itemsize
 
     @staticmethod
@@ -229,18 +229,23 @@ class DeepseekV4CachePool:
         """Write what tokens start..start+n-1 added: their window KV, the entries they
         completed, the prev state at the page ends they reached, and the compressor state
         after them."""
-        rows = new.window[-min(n, new.window.shape[0]) :] if new.new_kv is None else new.new_kv
-        if n:
+        rows = new.new_kv  # every new row (None: a caller without it; the last window's)
+        if rows is None:
+            rows = new.window[new.window.shape[0] - min(n, new.window.shape[0]) :]
+        if rows.shape[0]:
             self._write(self.swa[i], pages, start + n - rows.shape[0], rows, 1)
-        for s, state in ((self.comp_slots[i], new.compressor), (self.index_slots[i], new.indexer)):
-            if s is not None:
-                first = start // s.ratio
-                if s is self.comp_slots[i]:
-                    self._write(self.entries[i], pages, first, state.entries[first:], s.ratio)
-                else:
-                    self._write_index_k(i, pages, first, state.entries[first:])
-                self._store_page_prev(s, pages, first, state)
-                self._store_slot(s, slot, start + n, state)
+        if self.entries[i] is not None:
+            s = self.comp_slots[i]
+            first = start // s.ratio
+            self._write(self.entries[i], pages, first, new.compressor.entries[first:], s.ratio)
+            self._store_page_prev(s, pages, first, new.compressor)
+            self._store_slot(s, slot, start + n, new.compressor)
+        if self.index_k[i] is not None:
+            s = self.index_slots[i]
+            first = start // s.ratio
+            self._write_index_k(i, pages, first, new.indexer.entries[first:])
+            self._store_page_prev(s, pages, first, new.indexer)
+            self._store_slot(s, slot, start + n, new.indexer)
 
     def _store_page_prev(
         self, s: _CompressorSlots, pages: torch.Tensor, first: int, state: CompressorState

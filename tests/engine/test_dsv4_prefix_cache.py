@@ -7,7 +7,7 @@ resumes from shared pages computes what the full forward computes.
 - a hit continues like the full forward (logprobs), for both attention paths, prefill chunks
   that straddle page ends, and pages holding several ratio-16 windows;
 - property: random prompt trees through a small, evicting cache give the tokens a cache-off
-  engine gives.
+  engine gives; a last test checks that they did evict and hit.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from kvrelay.engine.scheduler import ScheduledRequest
 from kvrelay.weights.loader import resolve
 
 VOCAB = resolve("dsv4-tiny", "dummy").config.vocab_size
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops: threads only contend
 
 
 def make_engine(backend: str = "auto", budget: int = 2048, page: int = 16, **cache) -> Engine:
@@ -122,12 +123,13 @@ def test_hit_continues_like_the_full_forward(backend: str, budget: int, page: in
 
 @pytest.fixture(scope="module")
 def pair() -> tuple[Engine, Engine]:
-    """Cache on with 32 pages of 16 (it evicts) and 40-token chunks; cache off, roomy."""
-    return make_engine(budget=40, max_total_tokens=512), make_engine(prefix_cache=False)
+    """Cache on with 16 pages of 16 (it evicts) and 40-token chunks; cache off, roomy.
+    (Preemption with the cache on: test_dsv4_engine's preemption test.)"""
+    return make_engine(budget=40, max_total_tokens=256), make_engine(prefix_cache=False)
 
 
 @settings(
-    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
     branches=st.lists(
@@ -153,3 +155,9 @@ def test_prompt_trees_give_the_tokens_of_a_cache_off_engine(pair, branches) -> N
         assert cached % on.runner.page_size == 0 and cached < len(ids)
     on.check_idle_integrity()
     assert on.scheduler.slot_pool.num_used == 0
+
+
+def test_the_prompt_trees_hit_and_evicted(pair) -> None:
+    on, _ = pair
+    prefix = on.scheduler.prefix
+    assert prefix.hit_tokens > 0 and prefix.evicted_pages > 0

@@ -68,11 +68,14 @@ def servers():
         except BaseException as e:  # noqa: BLE001 - re-raised below, after both are stopped
             started[name] = e
 
-    threads = [threading.Thread(target=start, args=(n,)) for n in specs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    # One engine thread each: this model's ops are tiny, and more threads only contend.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVRELAY_CPU_THREADS", "1")
+        threads = [threading.Thread(target=start, args=(n,)) for n in specs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     try:
         for s in started.values():
             if isinstance(s, BaseException):
@@ -152,7 +155,7 @@ def _both(servers, n: int, concurrency: int):
 
 
 def test_three_turns_concurrency_1_equal_and_later_turns_hit(servers):
-    on = _both(servers, 2, 1)
+    on = _both(servers, 3, 1)
     for conv in on:
         first, second, third = (cached for _, cached in conv)
         # turn 2 resends turn 1 (~480 prompt tokens + its reply): >= 3 pages; turn 3 more
