@@ -113,9 +113,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--disable-prefix-cache",
         action="store_true",
-        help="turn off the radix prefix cache (on by default for dense models: a prompt that "
-        "begins with a cached prefix, in full KV pages, computes only the rest; DeepSeek-V4 "
-        "and the PD decode role never use it yet)",
+        help="turn off the radix prefix cache (on by default: a prompt that begins with a "
+        "cached prefix, in full KV pages, computes only the rest; the PD decode role never "
+        "uses it)",
     )
     g.add_argument(
         "--max-num-batched-tokens",

@@ -11,6 +11,15 @@ running request) holds, for each compressor, the projected kv/score rows of the 
 (row = position % ratio) and, for the overlapping ratio-4 compressors, the first-half
 channels of the last closed window. Positions are implicit in the request's token count.
 
+For the prefix cache a page is a pure function of the tokens up to its end, so that any request
+with the same prefix can share it: every token's window row is written (not only the last
+window's), and each page keeps, for every overlapping compressor, the prev state after its last
+token (`page_prev_*`, the first halves of the window that closes at the page end). At a page
+end every compressor's open window is empty (the page size is a multiple of every ratio), so
+that prev state is all a request continuing from a shared page needs in its slot
+(`restore_slot`). The `page_prev_*` tensors are read only after a prefix hit, so they are not
+transfer kinds (the PD decode role runs without the prefix cache).
+
 Every tensor is named in `kinds`, so a transfer can ship a request's pages and slot by name.
 """
 
@@ -53,6 +62,8 @@ class _CompressorSlots:
     pending_score: torch.Tensor
     prev_kv: torch.Tensor | None  # [slots, ratio, d] (overlap only)
     prev_score: torch.Tensor | None
+    page_prev_kv: torch.Tensor | None  # [pages, ratio, d] prev state at each page's end
+    page_prev_score: torch.Tensor | None
 
 
 class DeepseekV4CachePool:
@@ -89,6 +100,8 @@ class DeepseekV4CachePool:
                 zeros(num_slots, ratio, coff * dim, dt=wide),
                 zeros(num_slots, ratio, dim, dt=wide) if overlap else None,
                 zeros(num_slots, ratio, dim, dt=wide) if overlap else None,
+                zeros(num_pages, ratio, dim, dt=wide) if overlap else None,
+                zeros(num_pages, ratio, dim, dt=wide) if overlap else None,
             )
 
         self.swa: list[torch.Tensor] = []
@@ -132,14 +145,15 @@ class DeepseekV4CachePool:
 
     @staticmethod
     def bytes_per_page(cfg: DeepseekV4Config, page_size: int, dtype: torch.dtype) -> int:
-        d, di, total = cfg.head_dim, cfg.index_head_dim, 0
+        d, di, total, prev = cfg.head_dim, cfg.index_head_dim, 0, 0
         for i, kind in enumerate(cfg.layer_types):
             total += page_size * d
             if kind != SLIDING:
                 total += page_size // cfg.compress_ratio(i) * d
             if kind == CSA:
                 total += page_size // cfg.csa_compress_ratio * di
-        return total * dtype.itemsize
+                prev += cfg.csa_compress_ratio * 2 * (d + di)  # page_prev kv + score, main + index
+        return total * dtype.itemsize + prev * wide_dtype(dtype).itemsize
 
     @staticmethod
     def bytes_per_slot(cfg: DeepseekV4Config, dtype: torch.dtype) -> int:
@@ -212,21 +226,49 @@ class DeepseekV4CachePool:
     def store_layer(
         self, i: int, pages: torch.Tensor, slot: int, start: int, n: int, new: LayerState
     ) -> None:
-        """Write what tokens start..start+n-1 added: their window KV (those the next chunk
-        can still see), the entries they completed, and the compressor state after them."""
-        keep = min(n, new.window.shape[0])
-        if keep:
-            self._write(self.swa[i], pages, start + n - keep, new.window[-keep:], 1)
+        """Write what tokens start..start+n-1 added: their window KV, the entries they
+        completed, the prev state at the page ends they reached, and the compressor state
+        after them."""
+        rows = new.new_kv  # every new row (None: a caller without it; the last window's)
+        if rows is None:
+            rows = new.window[new.window.shape[0] - min(n, new.window.shape[0]) :]
+        if rows.shape[0]:
+            self._write(self.swa[i], pages, start + n - rows.shape[0], rows, 1)
         if self.entries[i] is not None:
             s = self.comp_slots[i]
             first = start // s.ratio
             self._write(self.entries[i], pages, first, new.compressor.entries[first:], s.ratio)
+            self._store_page_prev(s, pages, first, new.compressor)
             self._store_slot(s, slot, start + n, new.compressor)
         if self.index_k[i] is not None:
             s = self.index_slots[i]
             first = start // s.ratio
             self._write_index_k(i, pages, first, new.indexer.entries[first:])
+            self._store_page_prev(s, pages, first, new.indexer)
             self._store_slot(s, slot, start + n, new.indexer)
+
+    def _store_page_prev(
+        self, s: _CompressorSlots, pages: torch.Tensor, first: int, state: CompressorState
+    ) -> None:
+        """The prev state at each page end the windows closed in this call (entries first..)
+        reached."""
+        if state.closed_heads is None:
+            return
+        per_page = self.page_size // s.ratio
+        for k in range(state.closed_heads[0].shape[0]):
+            if (first + k + 1) % per_page == 0:
+                page = pages[(first + k + 1) // per_page - 1]
+                s.page_prev_kv[page] = state.closed_heads[0][k]
+                s.page_prev_score[page] = state.closed_heads[1][k]
+
+    def restore_slot(self, slot: int, page: int) -> None:
+        """Fill `slot` with the compressor state after the last token of `page` (a request
+        continuing from a cached prefix that ends there): only the overlapping compressors'
+        prev state; every open window is empty at a page end."""
+        for s in self.comp_slots + self.index_slots:
+            if s is not None and s.overlap:
+                s.prev_kv[slot] = s.page_prev_kv[page]
+                s.prev_score[slot] = s.page_prev_score[page]
 
     @staticmethod
     def _load_slot(

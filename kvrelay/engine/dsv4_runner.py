@@ -143,6 +143,7 @@ class DeepseekV4Runner:
         return self._run(batch, profile, False, prompt_logprobs.plan(batch))
 
     def _run(self, batch, profile, all_rows: bool, rows: PromptRows | None) -> StepLogits:
+        self._restore_after_prefix_hit(batch)
         if rows is None and self._graphable(batch, profile, all_rows):
             logits = self.graphs.run(
                 [s.req.token_slice(s.req.num_computed, s.req.num_computed + 1)[0] for s in batch],
@@ -194,6 +195,16 @@ class DeepseekV4Runner:
         if self.tp.is_parallel and self.tp.rank == 0:
             send_stop(self.tp, self.device)
 
+    def _restore_after_prefix_hit(self, batch: list[ScheduledRequest]) -> None:
+        """A request's first step after a prefix cache hit: its state slot never saw the shared
+        tokens, so it takes the compressor state kept with the last shared page."""
+        p = self.page_size
+        for s in batch:
+            r = s.req
+            n = r.num_computed
+            if r.prefix_node is not None and n and n % p == 0 and n == _path_pages(r) * p:
+                self.cache.restore_slot(r.state_slot, r.pages[n // p - 1])
+
     def _graphable(self, batch, profile, all_rows: bool) -> bool:
         """A decode step (one sampled token per request) that a captured graph covers; profiled
         steps run eagerly so their components can be timed."""
@@ -237,6 +248,14 @@ def check_parallel(cfg: EngineConfig, device: torch.device) -> None:
     # cache; a decode side would have to install the received rows on every rank.
     if cfg.role == "decode":
         raise ValueError("DeepSeek-V4 tensor parallel serves the single and prefill roles only")
+
+
+def _path_pages(req) -> int:
+    """Pages of the prefix cache path req matched (nodes below the root)."""
+    n, node = 0, req.prefix_node
+    while node.parent is not None:
+        n, node = n + 1, node.parent
+    return n
 
 
 def _pick_ops(backend: str, device: torch.device) -> tuple[AttentionOps, LayerKernels | None]:

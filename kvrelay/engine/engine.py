@@ -65,6 +65,10 @@ class Engine:
         if self.cfg.role == "decode":
             # Decode admits transferred KV as it comes (prefill reuses its own cached prefix).
             return "off (PD decode role)"
+        if self.cfg.tensor_parallel_size > 1 and self.runner.num_state_slots:
+            # A hit restores the request's state slot (DeepSeek-V4's compressor state) from its
+            # last shared page on rank 0 only; the other ranks' slots would miss it.
+            return "off (per-request state with tensor parallel)"
         return "on"
 
     @property

@@ -35,9 +35,9 @@ class ModelFamily:
     # Served with a borrowed tokenizer (dummy weights, a directory without tokenizer files), the
     # config takes its BOS/EOS and, for dummy weights, a vocabulary covering its ids.
     adopts_borrowed_tokenizer: bool = False
-    # The radix prefix cache can reuse this family's cached pages (kvrelay.cache.radix): every
-    # cache kind it keeps is paged per token. DeepSeek-V4's compressed, index, sliding-window
-    # and compressor-state kinds need their own handling first.
+    # The radix prefix cache can reuse this family's cached pages (kvrelay.cache.radix): a
+    # page's content depends only on the tokens up to its end (DeepSeek-V4's pool keeps the
+    # compressor state at page ends for this).
     prefix_cache: bool = True
 
     def load(self, attribute: str) -> Any:
@@ -59,7 +59,6 @@ DEEPSEEK_V4 = ModelFamily(
     dir_config="kvrelay.weights.dsv4_checkpoint:read_config",
     claims_dir="kvrelay.weights.dsv4_checkpoint:is_dsv4_dir",
     adopts_borrowed_tokenizer=True,
-    prefix_cache=False,
 )
 
 DENSE = ModelFamily(

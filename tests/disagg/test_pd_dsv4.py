@@ -92,3 +92,17 @@ def test_pd_matches_single_server_token_for_token(stacks):
     pd.wait_idle()
     assert pd.router.metric("kvrelay_router_requests_total", '{outcome="error"}') == 0
     assert pd.router.metric("kvrelay_router_requests_total", '{outcome="ok"}') == len(specs)
+
+
+def test_prefill_prefix_cache_hits_still_match_single_server(stacks):
+    """The same requests again: prefill now resumes from its cached pages (compressed entries,
+    index keys, window rows and the compressor state kept at the page end) and sends the whole
+    prompt's KV; decode continues it token for token like the single server."""
+    single, pd = stacks
+    specs = _specs()
+    want = run_specs(single.url, MODEL, specs)
+    hits = pd.prefill.metric("kvrelay_prefix_cache_hit_tokens_total")
+    got = run_specs(pd.router.url, MODEL, specs)
+    assert pd.prefill.metric("kvrelay_prefix_cache_hit_tokens_total") - hits >= 100
+    assert_same_outputs(specs, want, got, rel=1e-4, abs=1e-4)
+    pd.wait_idle()

@@ -113,19 +113,6 @@ def test_sixteen_batched_equal_each_alone(engine: Engine) -> None:
     assert engine.scheduler.slot_pool.num_used == 0
 
 
-def test_prefix_cache_stays_off_and_reports_no_cached_tokens(engine: Engine) -> None:
-    """DeepSeek-V4's cache kinds are not reusable by the radix cache yet: a resent prompt is
-    computed again, reports 0 cached tokens, and leaves no page behind."""
-    assert engine.scheduler.prefix is None and engine.stats().prefix_cache is None
-    p = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    ids = prompt(70, seed=99)
-    first, again = (generate(engine, [ids], p)[0] for _ in range(2))
-    assert [o.token_ids for o in first] == [o.token_ids for o in again]
-    assert all(o.num_cached_tokens == 0 for o in first + again)
-    engine.check_idle_integrity()
-    assert engine.scheduler.page_pool.num_used == 0
-
-
 def test_preemption_recomputes_the_same_tokens() -> None:
     tight = make_engine(max_tokens=256, budget=64)  # 16 pages of 16: preemption must happen
     prompts = [prompt(n, seed=40 + i) for i, n in enumerate([40, 60, 50, 30])]

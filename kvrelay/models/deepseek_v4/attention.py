@@ -113,7 +113,7 @@ class Attention(nn.Module):
         win_idx = (torch.arange(n, device=x.device) + w)[:, None] + offs[None, :]
         win_idx = win_idx.masked_fill(win_idx < 0, -1)
         keep = min(self.window - 1, keys.shape[0])
-        new_state = LayerState(window=keys[keys.shape[0] - keep :])
+        new_state = LayerState(window=keys[keys.shape[0] - keep :], new_kv=kv)
 
         if self.compressor is None:
             buf, indices = keys, win_idx

@@ -109,13 +109,16 @@ class CompressPlan:
     """Where one compress ratio's step reads and writes, the same for every layer of that
     ratio: the closing windows' first positions, the pool rows their entries go to (the dummy
     page for padding closers), each row's pending-window slot row, the slot whose previous
-    half the last closed window replaces (0: none), and each row's position-bias row."""
+    half the last closed window replaces (0: none), each row's position-bias row, and the page
+    whose end the closing window reaches (its prev state is kept there for the prefix cache;
+    0, the dummy page: not a page end)."""
 
     window_start: torch.Tensor  # [C]
     store_rows: torch.Tensor  # [C]
     pending_rows: torch.Tensor  # [T]
     prev_slots: torch.Tensor  # [C]
     bias_rows: torch.Tensor  # [T]
+    page_prev: torch.Tensor  # [C]
 
 
 @dataclass
@@ -190,12 +193,15 @@ class StepIndex:
             rows = self.entry_rows_of(r, seq, wstart // r)
             open_after = m.positions >= m.chunk_end[m.seq] // r * r
             keep_slot = torch.where(open_after, m.slots[m.seq], 0)
+            end, p = wstart + r, m.page_size
+            ended = m.page_table[seq, (end // p - 1).clamp(min=0)]
             return CompressPlan(
                 window_start=wstart,
                 store_rows=torch.where(cl.valid, rows, 0),
                 pending_rows=keep_slot * r + m.positions % r,
                 prev_slots=torch.where(cl.valid & cl.last, m.slots[seq], 0),
                 bias_rows=m.positions % r,
+                page_prev=torch.where(cl.valid & (end % p == 0), ended, 0),
             )
 
         return self._memo(("compress", ratio), make)

@@ -74,6 +74,7 @@ class Compressor(nn.Module):
         closed_score = score_all[: m * r].view(m, r, self.coff * d)
 
         prev_kv, prev_score = state.prev_kv, state.prev_score
+        heads = None
         if m == 0:
             new = torch.empty(0, d, dtype=state.entries.dtype, device=x.device)
         else:
@@ -86,6 +87,7 @@ class Compressor(nn.Module):
                 slots_kv = torch.cat((first_kv, closed_kv[:, :, d:]), dim=1)
                 slots_score = torch.cat((first_score, closed_score[:, :, d:]), dim=1)
                 prev_kv, prev_score = closed_kv[-1, :, :d], closed_score[-1, :, :d]
+                heads = (closed_kv[:, :, :d], closed_score[:, :, :d])
             else:
                 slots_kv, slots_score = closed_kv, closed_score
             pooled = (slots_score.softmax(dim=1) * slots_kv).sum(dim=1)
@@ -99,6 +101,7 @@ class Compressor(nn.Module):
             pending_score=score_all[m * r :],
             prev_kv=prev_kv,
             prev_score=prev_score,
+            closed_heads=heads,
         )
 
     def _finish(self, pooled: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -80,9 +80,10 @@ def pooled_attention(
 def _compress(comp, x, meta: BatchMeta, index: StepIndex, slots, store, ops) -> None:
     plan = index.compress_plan(comp.ratio)
     cos_sin = index.rope(comp.rope, x.dtype, plan.window_start)
+    page_prev = (slots.page_prev_kv, slots.page_prev_score) if slots.overlap else None
     compress_step(
         comp, x, meta, plan, cos_sin, slots.pending_kv, slots.pending_score, slots.prev_kv,
-        slots.prev_score, store, ops.pool_windows,
+        slots.prev_score, store, ops.pool_windows, page_prev,
     )  # fmt: skip
 
 

@@ -5,8 +5,9 @@ For every row that closes a window the r (or 2r, overlapping) pooled rows are ga
 three places: this step's projections (positions >= the sequence's chunk start), the state
 slot's pending rows (the window open when the step began), and for overlapping compressors the
 slot's previous-window half (the window closed before the step). Then the slot is updated: the
-final open window's rows go to pending, the last closed window's first half to prev. Padding
-and non-closing candidates write to the dummy page / slot 0, so the op has fixed shapes.
+final open window's rows go to pending, the last closed window's first half to prev (and a
+window that closes at a page end leaves its first half with that page, for the prefix cache).
+Padding and non-closing candidates write to the dummy page / slot 0, so the op has fixed shapes.
 """
 
 from __future__ import annotations
@@ -98,11 +99,13 @@ def compress_step(
     prev_score: torch.Tensor | None,
     store: Callable[[torch.Tensor, torch.Tensor], None],
     pool_windows: PoolWindows = pool_windows_reference,
+    page_prev: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """x: [T, hidden] normed inputs. Slot tensors: [slots, r, coff*d] (prev: [slots, r, d]).
     `plan`: the step's rows for this ratio (`StepIndex.compress_plan`); `cos_sin`: the rotation
     at each closing window's first position; `store(rows, entries)` writes entries;
-    `pool_windows`: the reference above or its Triton kernel."""
+    `pool_windows`: the reference above or its Triton kernel; `page_prev`: the per-page prev
+    state (kv, score) [pages, r, d] of overlapping compressors."""
     r, d = comp.ratio, comp.dim
     xw = wide(x)
     kv = F.linear(xw, wide_weight(comp.kv_proj.weight))
@@ -121,3 +124,6 @@ def compress_step(
     if first_half is not None:
         prev_kv.index_copy_(0, plan.prev_slots, first_half[0])
         prev_score.index_copy_(0, plan.prev_slots, first_half[1])
+        if page_prev is not None:
+            page_prev[0].index_copy_(0, plan.page_prev, first_half[0])
+            page_prev[1].index_copy_(0, plan.page_prev, first_half[1])

@@ -25,6 +25,9 @@ class CompressorState:
     prev_kv:       [ratio, d]    overlapping (ratio-4) compressors only: the first-half channels
     prev_score:    [ratio, d]    of the last closed window, which the next entry also pools over;
                                  None before the first window closes
+    closed_heads:  ([m, ratio, d], [m, ratio, d]) overlapping compressors, after a call that
+                   closed m windows: each one's first halves (its `prev` for the next entry), so
+                   a paged cache can keep the prev state at page ends (prefix cache); not cloned
     """
 
     entries: torch.Tensor
@@ -32,6 +35,7 @@ class CompressorState:
     pending_score: torch.Tensor
     prev_kv: torch.Tensor | None = None
     prev_score: torch.Tensor | None = None
+    closed_heads: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def empty(
@@ -65,6 +69,9 @@ class LayerState:
     window: torch.Tensor  # [<= sliding_window - 1, head_dim]
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None
+    # After a call: the K = V rows of all its new tokens (a paged cache keeps every row, so a
+    # prefix cut at any page end has its window); not cloned.
+    new_kv: torch.Tensor | None = None
 
     def clone(self) -> LayerState:
         return LayerState(
