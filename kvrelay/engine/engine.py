@@ -104,6 +104,7 @@ class Engine:
                 )  # the peer learns now, not at a timeout
             return
         req = Request(msg.rid, msg.prompt_ids, p, 0)
+        req.group = msg.group
         if p.grammar is not None:
             try:
                 req.matcher = self.grammar.matcher(p.grammar)
