@@ -93,9 +93,21 @@ def test_n_greedy_samples_prefill_the_prompt_once_and_equal_one_sample(servers):
     client = _client(s)
     msgs = [{"role": "system", "content": _system()}, {"role": "user", "content": "Hours?"}]
     kw = dict(model=MODEL, messages=msgs, max_tokens=12, temperature=0, logprobs=True)
+    # A stream decodes meanwhile: the engine is mid-step when the 4 samples arrive, so they
+    # reach one step together (an idle engine may start the first alone, which shares anyway).
+    background = client.completions.create(
+        model=MODEL,
+        prompt="Count: 1, 2, 3,",
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    next(iter(background))
     hit0, query0 = _hits(s)
     r = client.chat.completions.create(n=4, **kw)
     hit1, query1 = _hits(s)
+    background.close()
     p = r.usage.prompt_tokens
     assert p > 300
     # Once: the first sample computed the prompt, the other three found all its full pages
