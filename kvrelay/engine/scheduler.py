@@ -99,6 +99,12 @@ class Scheduler:
             and (len(req.prompt_ids) - 1) // self.page_size > 0
         )
 
+    def _wake_if_cached(self, req: Request) -> None:
+        """A leader admitted with its whole prompt cached (but the page of its last token) lets
+        its samples go at once: they find the same pages (in this very step, budget allowing)."""
+        if req.num_computed >= (len(req.prompt_ids) - 1) // self.page_size * self.page_size:
+            self._wake_siblings(req)
+
     def _wake_siblings(self, leader: Request) -> None:
         """The samples held for `leader` queue for admission, in arrival order."""
         for r in self.siblings.release(leader):
@@ -368,6 +374,7 @@ class Scheduler:
             self.waiting.popleft()
             if queried:
                 self._count_hit(req)
+                self._wake_if_cached(req)
             if self.slot_pool is not None and not req.state_slot:
                 req.state_slot = self.slot_pool.alloc(1)[0]
             req.status = Status.RUNNING

@@ -80,6 +80,20 @@ def test_n_samples_wait_for_the_first_prefill_then_hit_it() -> None:
     _drain(s)
 
 
+def test_samples_of_a_cached_prompt_start_with_their_leader() -> None:
+    s = _sched()
+    for r in _group(2):
+        s.add(r)
+    while s.has_work:
+        _step(s)
+    reqs = _group(4)
+    for r in reqs:
+        s.add(r)
+    assert _step(s) == {"g": 2, "g-1": 2, "g-2": 2, "g-3": 2}  # no step waiting for nothing
+    assert [r.num_cached_tokens for r in reqs] == [20] * 4
+    _drain(s)
+
+
 def test_an_aborted_leader_or_sample_frees_everything() -> None:
     s = _sched()
     reqs = _group(3)
