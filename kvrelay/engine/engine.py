@@ -108,6 +108,7 @@ class Engine:
                 )  # the peer learns now, not at a timeout
             return
         req = Request(msg.rid, msg.prompt_ids, p, 0)
+        req.group = msg.group
         if p.grammar is not None:
             try:
                 req.matcher = self.grammar.matcher(p.grammar)
@@ -167,7 +168,7 @@ class Engine:
         cached = prefix.num_evictable if prefix is not None else 0
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.siblings),  # n: held
             kv_pages_used=a.num_used - cached,  # pages the prefix cache alone holds count free
             kv_pages_total=a.num_usable,
             num_preemptions=self.scheduler.num_preemptions,

@@ -30,6 +30,9 @@ class AddRequest(msgspec.Struct, tag=True):
     prompt_ids: list[int]
     params: SamplingParams
     pd: PDParams | None = None  # set by the router in PD mode
+    # The n samples of one request share a group (the first sample's rid): they share its
+    # prompt's KV through the prefix cache (engine/siblings.py). None: a request of its own.
+    group: str | None = None
 
 
 class AbortRequest(msgspec.Struct, tag=True):

@@ -13,6 +13,7 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     RESERVED = "reserved"  # KV held for a transfer still arriving (PD decode); not scheduled
+    HELD = "held"  # an n sample waiting for its leader's prompt to be cached (siblings.py)
     FINISHED = "finished"
 
 
@@ -34,6 +35,7 @@ class Request:
         self.prefix_node = None
         self.num_cached_tokens = 0
         self.cache_queried = False
+        self.group: str | None = None  # n samples of one prompt share it (siblings.py)
         self.generator: torch.Generator | None = None
         self.finish_reason: str | None = None
         self.matcher = None  # llguidance LLMatcher of a grammar-constrained request (grammar.py)

@@ -14,9 +14,12 @@ a request.
 
 With a prefix cache (kvrelay.cache.radix), a request admitted with nothing computed first shares
 the pages of its longest cached prefix (full pages, leaving at least one token to compute) and
-computes only the rest; a request that ends (or is preempted) hands its full computed pages to the
-cache. Pages held by the cache alone count as available: the cache evicts its least recently used
-ones before the scheduler preempts or refuses anything.
+computes only the rest. A request hands the full pages of its prompt to the cache as soon as a
+step computed them (it keeps its reference and locks them: requests admitted meanwhile share them,
+e.g. conversations sharing a system prompt), and the rest of its full computed pages when it ends
+(or is preempted). Pages held by the cache alone count as available: the cache evicts its least
+recently used ones before the scheduler preempts or refuses anything. The n samples of one prompt
+(a request `group`) wait until the first one's prompt is cached, then share it (siblings.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from kvrelay.cache.paging import pages_for
 from kvrelay.cache.radix import RadixCache
 from kvrelay.config import SchedulerConfig
 from kvrelay.engine.request import Request, Status
+from kvrelay.engine.siblings import SiblingHold
 
 
 @dataclass
@@ -71,6 +75,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.reserved: list[Request] = []  # KV held for transfers still arriving (PD decode)
         self.fences: list[Fence] = []
+        self.siblings = SiblingHold()  # n samples waiting for their leader's prompt
         self.num_preemptions = 0
         self._arrivals = 0
 
@@ -79,7 +84,33 @@ class Scheduler:
     def add(self, req: Request) -> None:
         req.arrival = self._arrivals
         self._arrivals += 1
+        if self._shares_prompt(req) and self.siblings.hold(req):
+            req.status = Status.HELD
+            return
         self.waiting.append(req)
+
+    def _shares_prompt(self, req: Request) -> bool:
+        """req is an n sample that can take its leader's cached prompt pages: the prefix cache is
+        on, req asks it (no prompt logprobs) and its prompt has a full page to share."""
+        return (
+            self.prefix is not None
+            and req.group is not None
+            and req.params.prompt_logprobs is None
+            and (len(req.prompt_ids) - 1) // self.page_size > 0
+        )
+
+    def _wake_if_cached(self, req: Request) -> None:
+        """A leader admitted with its whole prompt cached (but the page of its last token) lets
+        its samples go at once: they find the same pages (in this very step, budget allowing)."""
+        if req.num_computed >= (len(req.prompt_ids) - 1) // self.page_size * self.page_size:
+            self._wake_siblings(req)
+
+    def _wake_siblings(self, leader: Request) -> None:
+        """The samples held for `leader` queue for admission, in arrival order."""
+        for r in self.siblings.release(leader):
+            r.status = Status.WAITING
+            at = next((i for i, w in enumerate(self.waiting) if w.arrival > r.arrival), None)
+            self.waiting.insert(len(self.waiting) if at is None else at, r)
 
     def find(self, rid: str) -> Request | None:
         """A running or waiting request (a reserved transfer is the PD receiver's to end: it
@@ -90,7 +121,7 @@ class Scheduler:
         for r in self.waiting:
             if r.rid == rid:
                 return r
-        return None
+        return self.siblings.find(rid)
 
     def finish(self, req: Request, reason: str) -> None:
         """Out of the queues, pages and slot back to the pools (harmless when already finished).
@@ -125,6 +156,9 @@ class Scheduler:
             self.waiting.remove(req)
         elif req.status == Status.RESERVED:
             self.reserved.remove(req)
+        elif req.status == Status.HELD:
+            self.siblings.remove(req)
+        self._wake_siblings(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
 
@@ -186,7 +220,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.siblings.held)
 
     def _holders(self) -> list[Request]:
         return self.running + list(self.waiting) + self.reserved
@@ -204,6 +238,9 @@ class Scheduler:
             slots = [[r.state_slot] for r in owners if r.state_slot]
             slots += [[f.state_slot] for f in self.fences if f.state_slot]
             self.slot_pool.check_integrity(slots)
+        problems = self.siblings.check(self.running + list(self.waiting))
+        if problems:
+            raise AssertionError("n samples held wrongly: " + "; ".join(problems[:4]))
 
     def _pages_for(self, num_tokens: int) -> int:
         return pages_for(num_tokens, self.page_size)
@@ -275,6 +312,7 @@ class Scheduler:
     def _preempt_newest(self) -> Request:
         victim = max(self.running, key=lambda r: r.arrival)
         self.running.remove(victim)
+        self._wake_siblings(victim)  # they share what it cached (recomputing the rest)
         self._release(victim, cache=True)  # its computed prefix may come back as a cache hit
         victim.reset_for_recompute()
         self.waiting.appendleft(victim)
@@ -336,6 +374,7 @@ class Scheduler:
             self.waiting.popleft()
             if queried:
                 self._count_hit(req)
+                self._wake_if_cached(req)
             if self.slot_pool is not None and not req.state_slot:
                 req.state_slot = self.slot_pool.alloc(1)[0]
             req.status = Status.RUNNING
@@ -345,5 +384,28 @@ class Scheduler:
         return batch, unfittable
 
     def advance(self, batch: list[ScheduledRequest]) -> None:
+        """The step's forward wrote its chunks: count them, cache the prompt pages completed."""
         for s in batch:
-            s.req.num_computed += s.num_new_tokens
+            req = s.req
+            req.num_computed += s.num_new_tokens
+            self._cache_prompt(req, req.num_computed - s.num_new_tokens)
+            if req.num_computed >= len(req.prompt_ids):
+                self._wake_siblings(req)
+
+    def _cache_prompt(self, req: Request, before: int) -> None:
+        """Hand the full prompt pages that req computed since `before` to the prefix cache while
+        it runs, so requests admitted from now on share them. req keeps its reference and moves
+        its lock to the end of the cached path: nothing it uses can be evicted. Only pages it will
+        never write again (full, below num_computed) go in, so a shared page stays read-only."""
+        if self.prefix is None:
+            return
+        n, ps = len(req.prompt_ids), self.page_size
+        if min(req.num_computed, n) // ps <= min(before, n) // ps:
+            return  # no prompt page completed
+        tokens = req.prompt_ids[: min(req.num_computed, n) // ps * ps]
+        self.prefix.insert(tokens, req.pages)
+        _, node = self.prefix.match(tokens)  # the path now ends where tokens do
+        self.prefix.lock(node)
+        if req.prefix_node is not None:
+            self.prefix.unlock(req.prefix_node)
+        req.prefix_node = node

@@ -255,9 +255,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         grammar = await asyncio.to_thread(structured.chat_grammar, req, chat_format)
         gens = _start_n(req, prompt_ids, grammar)
         rid, created = gens[0].rid, int(gens[0].created)
-        parsers = [
-            chat_format.output_parser(req, f"call_{uuid.uuid4().hex[:16]}_") for _ in gens
-        ]
+        parsers = [chat_format.output_parser(req, f"call_{uuid.uuid4().hex[:16]}_") for _ in gens]
         if req.stream:
             return _stream(
                 request,
@@ -496,13 +494,18 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         )
 
     def _start_n(req, prompt_ids: list[int], grammar: str | None) -> list[Generation]:
-        """The request's n samples: engine requests <id>, <id>-1, ... (one response id)."""
+        """The request's n samples: engine requests <id>, <id>-1, ... (one response id), one
+        group: the engine prefills the prompt once and the other samples share its KV."""
         first = _start(req, prompt_ids, grammar=grammar)
         rest = [
             _start(req, prompt_ids, grammar=grammar, index=i, rid=f"{first.rid}-{i}")
             for i in range(1, req.n)
         ]
-        return [first, *rest]
+        gens = [first, *rest]
+        if len(gens) > 1:
+            for g in gens:
+                g.group = first.rid
+        return gens
 
     async def _collect(request: Request, gens: list[Generation]) -> list[list[Delta]]:
         """Run every generation to completion, aborting them all if the client goes away."""
@@ -645,9 +648,13 @@ def _child_seed(seed: int, index: int) -> int:
 
 
 def _usage(prompt_ids: list[int], gens: list[Generation]) -> dict:
-    """The prompt counted once, the n samples' completions summed (as OpenAI counts)."""
+    """The prompt counted once, the n samples' completions summed (as OpenAI counts). Cached:
+    the least any sample found, i.e. what the cache held before this request (the samples that
+    waited for the one prefilling the prompt found it cached; it was computed once, here)."""
     return fmt.usage(
-        len(prompt_ids), sum(g.completion_tokens for g in gens), gens[0].cached_tokens
+        len(prompt_ids),
+        sum(g.completion_tokens for g in gens),
+        min(g.cached_tokens for g in gens),
     )
 
 

@@ -126,13 +126,18 @@ class EngineClient:
             q.put_nowait(RequestOutput(rid, [], finish_reason="error", error=self.dead_reason))
 
     async def submit(
-        self, rid: str, prompt_ids: list[int], params: SamplingParams, pd: PDParams | None = None
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        pd: PDParams | None = None,
+        group: str | None = None,
     ) -> asyncio.Queue:
         if not self.healthy:
             raise EngineDead(self.dead_reason or "engine is not running")
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.queues[rid] = q
-        await self._to.send(self._enc.encode(AddRequest(rid, prompt_ids, params, pd)))
+        await self._to.send(self._enc.encode(AddRequest(rid, prompt_ids, params, pd, group)))
         return q
 
     async def abort(self, rid: str) -> None:

@@ -42,9 +42,10 @@ class Generation:
     created: float = field(default_factory=time.time)
     pd: PDParams | None = None  # PD mode: this side's part of a disaggregated request
     matched_stop: str | None = None  # the stop string that ended the output, if one did
+    group: str | None = None  # n samples: the group sharing the prompt's KV (AddRequest.group)
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        q = await self.client.submit(self.rid, self.prompt_ids, self.params, self.pd)
+        q = await self.client.submit(self.rid, self.prompt_ids, self.params, self.pd, self.group)
         detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
         hold = (
             max((len(s) for s in self.stops), default=1) - 1

@@ -1,5 +1,6 @@
 """Property tests of the scheduler's block pool + radix prefix cache under random sequences of
-requests (sharing prefixes), engine steps, aborts, preemptions (a small pool), evictions, PD
+requests (sharing prefixes), n samples of one prompt (a group: the others wait for the first's
+prefill), engine steps, aborts (held samples too), preemptions (a small pool), evictions, PD
 reservations and fenced transfers. No model: a simulated KV records which token each page slot
 holds, so a request that attends to a shared page is checked to see the right tokens there.
 
@@ -24,7 +25,16 @@ PS = 4
 PREFIXES = [[1] * 9, [1] * 8 + [2] * 5, [3] * 13, [1] * 4 + [4] * 6]
 
 # Operation kinds and their weights; each operation draws its own arguments.
-OPS = {"add": 6, "step": 8, "abort": 1, "reserve": 1, "arrive": 1, "lift": 1, "evict": 1}
+OPS = {
+    "add": 6,
+    "group": 2,
+    "step": 8,
+    "abort": 1,
+    "reserve": 1,
+    "arrive": 1,
+    "lift": 1,
+    "evict": 1,
+}
 
 
 class World:
@@ -93,11 +103,17 @@ def test_pool_and_tree_stay_consistent(seed, num_ops, num_pages, budget, ratio) 
     for kind in rng.choices(list(OPS), weights=list(OPS.values()), k=num_ops):
         if kind == "add":
             s.add(w.request(rng.randrange(4), rng.randrange(7), rng.randint(1, 6)))
+        elif kind == "group":  # n samples of one prompt
+            first = w.request(rng.randrange(4), rng.randrange(7), rng.randint(1, 6))
+            for i in range(rng.randint(2, 4)):
+                r = Request(f"{first.rid}-{i}", first.prompt_ids, first.params, 0)
+                r.group = first.rid
+                s.add(r)
         elif kind == "step":
             for _ in range(rng.randint(1, 4)):
                 w.step()
         elif kind == "abort":
-            live = s.running + list(s.waiting)
+            live = s.running + list(s.waiting) + [r for g in s.siblings.held.values() for r in g]
             if live:
                 s.finish(rng.choice(live), "abort")
         elif kind == "reserve":
@@ -129,7 +145,7 @@ def test_pool_and_tree_stay_consistent(seed, num_ops, num_pages, budget, ratio) 
             break
         w.step()
         w.check()
-    assert not s.has_work
+    assert not s.has_work and not s.siblings.leaders
     for f in list(s.fences):
         s.lift(f)
     w.check()
