@@ -201,9 +201,8 @@ class DeepseekV4Runner:
         p = self.page_size
         for s in batch:
             r = s.req
-            n = r.num_computed
-            if r.prefix_node is not None and n and n % p == 0 and n == _path_pages(r) * p:
-                self.cache.restore_slot(r.state_slot, r.pages[n // p - 1])
+            if r.matched_tokens and r.num_computed == r.matched_tokens:
+                self.cache.restore_slot(r.state_slot, r.pages[r.matched_tokens // p - 1])
 
     def _graphable(self, batch, profile, all_rows: bool) -> bool:
         """A decode step (one sampled token per request) that a captured graph covers; profiled
@@ -248,14 +247,6 @@ def check_parallel(cfg: EngineConfig, device: torch.device) -> None:
     # cache; a decode side would have to install the received rows on every rank.
     if cfg.role == "decode":
         raise ValueError("DeepSeek-V4 tensor parallel serves the single and prefill roles only")
-
-
-def _path_pages(req) -> int:
-    """Pages of the prefix cache path req matched (nodes below the root)."""
-    n, node = 0, req.prefix_node
-    while node.parent is not None:
-        n, node = n + 1, node.parent
-    return n
 
 
 def _pick_ops(backend: str, device: torch.device) -> tuple[AttentionOps, LayerKernels | None]:

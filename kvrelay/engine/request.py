@@ -34,6 +34,9 @@ class Request:
         # prompt tokens the cache provided when it was first admitted (for usage).
         self.prefix_node = None
         self.num_cached_tokens = 0
+        # tokens the latest prefix-cache match provided (the runner resumes per-request state,
+        # e.g. DeepSeek-V4's compressors, from the last matched page on the step that starts there)
+        self.matched_tokens = 0
         self.cache_queried = False
         self.group: str | None = None  # n samples of one prompt share it (siblings.py)
         self.generator: torch.Generator | None = None
@@ -71,4 +74,5 @@ class Request:
         self.pages = []
         self.prefix_node = None
         self.num_computed = 0
+        self.matched_tokens = 0
         self.status = Status.WAITING

@@ -284,6 +284,7 @@ class Scheduler:
         if req.params.prompt_logprobs is not None:  # every prompt position must be computed
             return False
         pages, node = self.prefix.match(req.token_slice(0, req.num_tokens - 1))
+        req.matched_tokens = len(pages) * self.page_size
         if not pages:
             return True
         req.pages = self.page_pool.share(pages)

@@ -170,3 +170,33 @@ def test_16_conversations_equal_under_eviction(servers):
     assert s.metric("kvrelay_prefix_cache_evicted_pages_total") > 0  # the small pool evicted
     assert s.metric("kvrelay_prefix_cache_hit_tokens_total") > 0
     assert servers["off"].metric("kvrelay_prefix_cache_query_tokens_total") == 0
+
+
+def test_n_samples_share_the_prompt_and_equal_one_sample(servers):
+    """n=3 greedy samples of a new ~500-token prompt: the first prefills it, the other two
+    resume from its cached pages (compressor state restored from the last shared page) and
+    every sample equals the single greedy reply of the cache-off server."""
+    # a system prompt no other test sends: nothing of this prompt is cached before
+    system = {"role": "system", "content": "You are a helpful assistant for session n-7f3a."}
+    messages = [system, {"role": "user", "content": "What is the weather in Nairobi today?"}]
+    on, off = servers["on"], servers["off"]
+    before = on.metric("kvrelay_prefix_cache_hit_tokens_total")
+    want = openai.OpenAI(base_url=off.url + "/v1", api_key="unused").chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, max_tokens=48, temperature=0
+    )
+    got = openai.OpenAI(base_url=on.url + "/v1", api_key="unused").chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, max_tokens=48, temperature=0, n=3
+    )
+    one = want.choices[0].message
+    assert len(got.choices) == 3
+    for c in got.choices:
+        assert (
+            c.message.content,
+            c.message.tool_calls and c.message.tool_calls[0].function.name,
+        ) == (
+            one.content,
+            one.tool_calls and one.tool_calls[0].function.name,
+        )
+    pages = (want.usage.prompt_tokens - 1) // PAGE
+    # exactly: the first sample found nothing, the other two every full page but the last token's
+    assert on.metric("kvrelay_prefix_cache_hit_tokens_total") - before == 2 * pages * PAGE
