@@ -23,7 +23,7 @@ from kvrelay.models.deepseek_v4.experts import Experts, QuantizedExperts
 from kvrelay.models.deepseek_v4.moe import MoE
 from kvrelay.weights.dsv4_shard import Slice, shard_slices, take
 
-_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 @torch.no_grad()
@@ -34,7 +34,7 @@ def shard_model(model: nn.Module, tp: TPGroup, expert_parallel: bool = False) ->
         return
     c = model.config
     for name, p in list(model.named_parameters()):
-        if ".mlp.experts." in name or name in _VOCAB:
+        if ".mlp.experts." in name or name in VOCAB:
             continue  # cut below: by the MoE's mode; by vocabulary rows
         part = take(p, shard_slices(name, tuple(p.shape), tp.rank, tp.world))
         if part.shape != p.shape:
@@ -54,7 +54,7 @@ def rank_slices(
     """The slices of the whole tensor `name` (model name) that `shard_model` keeps on this rank;
     [] means all of it. A vocabulary table's rank holds more rows than it reads at the tail:
     the rest are zeros."""
-    if name in _VOCAB:
+    if name in VOCAB:
         start, rows = vocab_shard(shape[0], tp)
         return [(0, start, min(start + rows, shape[0]))]
     owner, _, leaf = name.rpartition(".")

@@ -3,9 +3,9 @@ bytes that box needs (safetensors slices), so a tensor-parallel rank never reads
 
 A `Source` has the full (logical, dequantized) shape and `read(box)` with one slice per dim:
 - `Stored`: a tensor as stored, through `SafetensorsReader` (the one place bytes are read).
-- `Dequantized`: an FP8-block / MXFP4 / NVFP4 weight and its scales; the box is widened to whole
-  scale blocks for the read and cut back after dequantizing, so the values are exactly those of
-  dequantizing the whole tensor.
+- `Dequantized`: an FP8-block / MXFP4 / NVFP4 weight and its scales: the box of the weight and
+  the scale blocks covering it (a block cut by the box is read by both ranks: scales are small),
+  dequantized elementwise, so the values are exactly those of dequantizing the whole tensor.
 - `Cat` / `Stack`: fused tensors made of stored pieces (gate|up halves, per-expert matrices).
 - `Reshaped`: a tiny tensor read whole under another shape (per-expert NVFP4 global scales).
 """
@@ -93,20 +93,27 @@ class Dequantized:
     def read(self, box: Box) -> torch.Tensor:
         from kvrelay.weights.dsv4_checkpoint import dequantize
 
-        wide = tuple(
-            slice(s.start // b * b, min(-(-s.stop // b) * b, n))
-            for s, b, n in zip(box, self.blocks, self.shape, strict=True)
+        # Only the box's own bytes are read; the scale grid must start at a block edge, so the
+        # weight is front-padded with zeros to the edge of its first block (cut off again).
+        lead = tuple(s.start % b for s, b in zip(box, self.blocks, strict=True))
+        scales = tuple(
+            slice(s.start // b, -(-s.stop // b)) for s, b in zip(box, self.blocks, strict=True)
         )
-        last = wide[-1]
-        stored = (*wide[:-1], slice(last.start // self.pack, last.stop // self.pack))
-        scales = tuple(slice(s.start // b, -(-s.stop // b)) for s, b in zip(wide, self.blocks))
+        last = box[-1]
+        w = self.weight.read((*box[:-1], slice(last.start // self.pack, last.stop // self.pack)))
+        if any(lead):
+            pad = (*lead[:-1], lead[-1] // self.pack)
+            padded = w.new_zeros([n + p for n, p in zip(w.shape, pad, strict=True)])
+            padded[tuple(slice(p, None) for p in pad)] = w
+            w = padded
         parts = {}
         for role, src in self.parts.items():
             # global and input scales are per matrix (a scalar per stored weight): read whole
-            parts[role] = src.read(scales if role in ("scale", "weight_scale") else full_box(src.shape))
-        t = dequantize(self.weight.read(stored), self.quant, parts, self.dtype, self.block)
-        cut = tuple(slice(s.start - w.start, s.stop - w.start) for s, w in zip(box, wide))
-        return t[cut]
+            parts[role] = src.read(
+                scales if role in ("scale", "weight_scale") else full_box(src.shape)
+            )
+        t = dequantize(w, self.quant, parts, self.dtype, self.block)
+        return t[tuple(slice(p, None) for p in lead)]
 
 
 class Cat:
