@@ -38,12 +38,20 @@ class SafetensorsReader:
     def __init__(self) -> None:
         self._files: dict[str, Any] = {}
 
-    def read(self, file: str, name: str, box: Box) -> torch.Tensor:
+    def _open(self, file: str) -> Any:
         from safetensors import safe_open
 
         if file not in self._files:
             self._files[file] = safe_open(file, framework="pt")
-        return self._files[file].get_slice(name)[box]
+        return self._files[file]
+
+    def shapes(self, file: str) -> dict[str, tuple[int, ...]]:
+        """Every tensor of `file` and its shape (from the header: nothing is read)."""
+        f = self._open(file)
+        return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+
+    def read(self, file: str, name: str, box: Box) -> torch.Tensor:
+        return self._open(file).get_slice(name)[box]
 
     def close(self) -> None:
         self._files.clear()

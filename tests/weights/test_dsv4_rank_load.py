@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
+from counting_reader import CountingReader
 from dsv4_hf import save_with_transformers
 
 from kvrelay.layers.parallel import TPGroup
@@ -26,7 +26,6 @@ from kvrelay.weights.dsv4_rank_load import load_rank
 from kvrelay.weights.dsv4_tp import rank_slices, shard_model
 from kvrelay.weights.dsv4_writer import save_dsv4_checkpoint, save_safetensors
 from kvrelay.weights.loader import build_model, resolve
-from kvrelay.weights.tensor_source import SafetensorsReader
 
 # Wide enough for whole 128x128 FP8 blocks and 32-wide MXFP4 blocks on each rank's half.
 CFG = preset("dsv4-tiny").with_(hidden_size=256, q_lora_rank=128, moe_intermediate_size=64)
@@ -38,19 +37,6 @@ FP8 = re.compile(
 )
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops
-
-
-class CountingReader(SafetensorsReader):
-    """The real reader, recording the bytes each stored tensor gave up."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes: dict[str, int] = defaultdict(int)
-
-    def read(self, file, name, box):
-        t = super().read(file, name, box)
-        self.bytes[name] += t.numel() * t.element_size()
-        return t
 
 
 def _hf_quantized(model: torch.nn.Module, path: Path) -> None:
