@@ -88,30 +88,30 @@ def load_rank(
         with_mtp = any(n.startswith(("mtp.", "model.mtp.")) for n in ckpt.index)
         with torch.device(device), _WeightsOnMeta():
             model = DeepseekV4ForCausalLM(config, dtype, with_mtp=with_mtp)
-        # The whole shapes, before the cut: the sources are checked against them.
-        whole = {n: tuple(t.shape) for n, t in model.state_dict().items()}
-        shard_model(model, tp, expert_parallel)
+            # The whole shapes, before the cut: the sources are checked against them.
+            whole = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+            shard_model(model, tp, expert_parallel)  # new tables (vocab) on meta too
         _materialize(model, device)
         own = model.state_dict()
         sources = Sources(ckpt, reader)
         wanted: dict[str, Source] = {}
         packed_paths = set()
-        for path_, module in model.named_modules():
+        for mod_path, module in model.named_modules():
             if not isinstance(module, QuantizedExperts):
                 continue
-            kind, n = path_.removeprefix("model.").split(".")[:2]
+            kind, n = mod_path.removeprefix("model.").split(".")[:2]
             got = sources.packed(f"{kind}.{n}")
             if got is None:
-                raise CheckpointError(f"{path_}: no routed experts in the checkpoint")
+                raise CheckpointError(f"{mod_path}: no routed experts in the checkpoint")
             fmt, fields = got
             if fmt != module.fp4_format:
                 raise CheckpointError(
-                    f"{path_}: the checkpoint's experts are {fmt}; the model holds "
+                    f"{mod_path}: the checkpoint's experts are {fmt}; the model holds "
                     f"{module.fp4_format}"
                 )
             for buf, field in PACKED_FIELDS[fmt].items():
-                wanted[f"{path_}.{buf}"] = fields[field]
-            packed_paths.add(path_)
+                wanted[f"{mod_path}.{buf}"] = fields[field]
+            packed_paths.add(mod_path)
         wanted |= sources.dense(dtype, frozenset(packed_paths))
         seen = set()
         for name, src in wanted.items():

@@ -87,7 +87,7 @@ class Dequantized:
         dtype: torch.dtype,
         block: tuple[int, int],
     ) -> None:
-        from kvrelay.weights.dsv4_checkpoint import Quant
+        from kvrelay.weights.dsv4_checkpoint import Quant  # it imports this module
 
         self.weight, self.parts, self.dtype, self.block = weight, parts, dtype, tuple(block)
         self.quant = Quant(fmt, {role: s.name for role, s in parts.items()})
