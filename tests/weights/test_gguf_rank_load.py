@@ -8,6 +8,7 @@ Q4_1 / Q8_0 tensors; its vocabulary (99) does not split evenly."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
@@ -17,17 +18,17 @@ from kvrelay.layers.parallel import TPGroup
 from kvrelay.models.llama import LlamaForCausalLM
 from kvrelay.weights import gguf_reader
 
-HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 64, 4, 2, 128, 99
+HIDDEN, HEADS, KV_HEADS, VOCAB = 64, 4, 2, 99
 HD = HIDDEN // HEADS
 
 
-def _write(path) -> None:
+def _write(path, ffn: int) -> None:
     rng = np.random.default_rng(0)
     w = GGUFWriter(str(path), "llama")
     w.add_block_count(1)
     w.add_context_length(256)
     w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(FFN)
+    w.add_feed_forward_length(ffn)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
     w.add_vocab_size(VOCAB)
@@ -45,9 +46,9 @@ def _write(path) -> None:
         ("attn_k", KV_HEADS * HD, HIDDEN),
         ("attn_v", KV_HEADS * HD, HIDDEN),
         ("attn_output", HIDDEN, HEADS * HD),
-        ("ffn_gate", FFN, HIDDEN),
-        ("ffn_up", FFN, HIDDEN),
-        ("ffn_down", HIDDEN, FFN),
+        ("ffn_gate", ffn, HIDDEN),
+        ("ffn_up", ffn, HIDDEN),
+        ("ffn_down", HIDDEN, ffn),
     ):
         add(f"blk.0.{leaf}.weight", rows, cols, Q.Q4_1)
     for leaf in ("attn_norm", "ffn_norm"):
@@ -58,9 +59,12 @@ def _write(path) -> None:
     w.close()
 
 
-def test_ranks_dequantize_only_their_slices(tmp_path):
+@pytest.mark.parametrize("ffn", [128, 96], ids=["blocks", "cut-block"])
+def test_ranks_dequantize_only_their_slices(tmp_path, ffn: int):
+    """ffn 96: down_proj's 48 columns per rank cut a 32-wide Q4_1 block, so whole rows are
+    dequantized and cut after."""
     path = tmp_path / "tiny.gguf"
-    _write(path)
+    _write(path, ffn)
     reader = gguf_reader.open_gguf(str(path))
     cfg = gguf_reader.read_config(reader)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (HEADS, KV_HEADS, VOCAB)
@@ -76,6 +80,8 @@ def test_ranks_dequantize_only_their_slices(tmp_path):
         for t in reader.tensors:
             name = gguf_reader._hf_name(t.name)
             if "norm" in name:
+                assert nbytes[name] == whole[t.name], name
+            elif name.endswith("down_proj.weight") and ffn % 64:
                 assert nbytes[name] == whole[t.name], name
             elif "embed" in name or "lm_head" in name:  # 50 rows, then 49
                 assert nbytes[name] == whole[t.name] * (50 - rank) // VOCAB, name
