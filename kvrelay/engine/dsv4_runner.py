@@ -28,6 +28,7 @@ from kvrelay.models.deepseek_v4.layer import LayerKernels
 from kvrelay.models.deepseek_v4.norms import use_norm_kernel
 from kvrelay.models.deepseek_v4.paged import PagedSequence, forward_paged
 from kvrelay.models.deepseek_v4.pooled_attention import AttentionOps
+from kvrelay.weights.dsv4_rank_load import load_rank
 from kvrelay.weights.dsv4_tp import shard_model
 from kvrelay.weights.loader import ModelSource, build_model
 
@@ -45,9 +46,13 @@ class DeepseekV4Runner:
         c = self.model_cfg = src.config
         self.page_size = dsv4_page_size(c, cfg.cache.page_size)
         torch.manual_seed(cfg.seed)
-        # Built whole (the weights of TP=1), then cut to this rank's part.
-        self.model = build_model(src, self.dtype, self.device, cfg.seed)
-        shard_model(self.model, self.tp, cfg.expert_parallel)
+        if self.tp.is_parallel and src.kind == "hf":  # read only this rank's slices
+            self.model = load_rank(
+                src.path, c, self.dtype, self.device, self.tp, cfg.expert_parallel
+            )
+        else:  # built whole (dummy weights: those of TP=1), then cut to this rank's part
+            self.model = build_model(src, self.dtype, self.device, cfg.seed)
+            shard_model(self.model, self.tp, cfg.expert_parallel)
         num_slots = cfg.scheduler.max_running_requests + 1  # slot 0 is never handed out
         # The pools are the same on every rank (one shared KV head): the same page ids everywhere.
         num_pages = self.tp.min_int(self._num_pages(num_slots))

@@ -356,6 +356,10 @@ class Dsv4Checkpoint:
             self._files[info.file] = safe_open(info.file, framework="pt")
         return self._files[info.file].get_tensor(info.stored)
 
+    def quant(self, name: str) -> Quant:
+        """How the stored weight `name` is encoded, and its companions."""
+        return self._quants[name]
+
     def weight_names(self) -> list[str]:
         """Every stored tensor except quantization companions, file by file in natural order
         (so one layer's experts arrive together)."""
@@ -381,8 +385,8 @@ class Dsv4Checkpoint:
         """(model name, tensor) for every weight: quantized ones dequantized to `dtype`, others
         as stored; native routed experts fused into `experts.gate_up_proj` / `down_proj`.
 
-        tp = (rank, world) yields only that rank's part (rules in `dsv4_shard`); each rank
-        still reads and dequantizes whole tensors (reading only its slice comes with TP). Unknown
+        tp = (rank, world) yields only that rank's part (rules in `dsv4_shard`) of whole tensors
+        read and dequantized (`dsv4_rank_load` reads only a rank's slices). Unknown
         `mtp.*` names are skipped with a warning (the MTP block is optional); any other unknown
         name raises `CheckpointError`. Tensors of the modules named in `skip` (e.g.
         "model.layers.3.mlp.experts", loaded packed instead) are not read at all.
@@ -390,16 +394,9 @@ class Dsv4Checkpoint:
         stacks: dict[str, _ExpertStack] = {}
         n_experts = self.config.n_routed_experts
         for name in self.weight_names():
-            try:
-                target = name if self.naming == HF else native_to_model(name)
-            except UnmappedNameError as exc:
-                if name.startswith("mtp."):
-                    log.warning("checkpoint tensor skipped name=%s reason=%s", name, exc)
-                    continue
-                stored = self.index[name].stored
-                raise CheckpointError(
-                    str(exc) if stored == name else f"{stored} (read as {name}): {exc}"
-                ) from None
+            target = self.model_target(name)
+            if target is None:
+                continue
             model_name = target.hf_name if isinstance(target, ExpertSlot) else target
             if model_name.rpartition(".")[0] in skip:
                 continue
@@ -421,6 +418,21 @@ class Dsv4Checkpoint:
             name, stack = next(iter(stacks.items()))
             lost = sorted(stack.missing)[:4]
             raise CheckpointError(f"{name}: (expert, part) {lost} missing from the checkpoint")
+
+    def model_target(self, name: str) -> str | ExpertSlot | None:
+        """The model tensor that stored weight `name` fills (a slot of a fused expert tensor for
+        native per-expert weights); None for an unknown `mtp.*` name (skipped with a warning:
+        the MTP block is optional). Any other unknown name raises `CheckpointError`."""
+        try:
+            return name if self.naming == HF else native_to_model(name)
+        except UnmappedNameError as exc:
+            if name.startswith("mtp."):
+                log.warning("checkpoint tensor skipped name=%s reason=%s", name, exc)
+                return None
+            stored = self.index[name].stored
+            raise CheckpointError(
+                str(exc) if stored == name else f"{stored} (read as {name}): {exc}"
+            ) from None
 
     def packed_experts(self, block: int | str) -> PackedExperts:
         """Layer `block`'s routed experts in their stored FP4 form; `block` is a layer index or
@@ -538,7 +550,7 @@ def load_checkpoint(model: nn.Module, ckpt: Dsv4Checkpoint) -> None:
 
 _PACKED_FORMATS = ("nvfp4", "mxfp4")  # routed experts the model keeps packed
 # per format: expert module buffer -> the PackedExperts field it is copied from
-_PACKED_FIELDS = {
+PACKED_FIELDS = {
     "nvfp4": {
         "gate_up_packed": "gate_up",
         "gate_up_scale": "gate_up_scale",
@@ -578,7 +590,7 @@ def _load_packed_experts(model: nn.Module, ckpt: Dsv4Checkpoint, own: dict) -> s
                 f"{path}: the checkpoint's experts are {packed.fmt}; the model holds "
                 f"{module.fp4_format}"
             )
-        for buf, field in _PACKED_FIELDS[packed.fmt].items():
+        for buf, field in PACKED_FIELDS[packed.fmt].items():
             name, t = f"{path}.{buf}", getattr(packed, field)
             if t.dtype == torch.float8_e8m0fnu:  # MXFP4 scales: the module keeps raw bytes
                 t = t.view(torch.uint8)

@@ -63,26 +63,42 @@ def shard_rule(name: str) -> Rule:
     return ("replicate", 0)
 
 
-def _split(t: torch.Tensor, dim: int, rank: int, world: int, name: str) -> torch.Tensor:
-    size = t.shape[dim]
+Slice = tuple[int, int, int]  # (dim, start, stop)
+
+
+def _part(size: int, dim: int, rank: int, world: int, name: str, offset: int = 0) -> Slice:
     if size % world:
         raise ValueError(f"{name}: dim {dim} of size {size} does not split over {world} ranks")
-    return t.narrow(dim, rank * (size // world), size // world)
+    per = size // world
+    return dim, offset + rank * per, offset + (rank + 1) * per
 
 
-def shard(name: str, tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """Rank `rank`'s part of `tensor` (a view when possible; replicated tensors as they are)."""
+def shard_slices(name: str, shape: tuple[int, ...], rank: int, world: int) -> list[Slice]:
+    """Rank `rank`'s part of a tensor `name` of `shape` as slices concatenated along their dim
+    (gate_up: the gate piece, then the up piece); [] means the whole tensor. A reader can fetch
+    exactly these slices from a checkpoint."""
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside a world of {world}")
     kind, dim = shard_rule(name)
     if kind == "replicate" or world == 1:
-        return tensor
+        return []
     if kind == "gate_up":
-        gate, up = tensor.chunk(2, dim=dim)
-        return torch.cat(
-            [_split(gate, dim, rank, world, name), _split(up, dim, rank, world, name)], dim
-        )
-    return _split(tensor, dim, rank, world, name)
+        half = shape[dim] // 2
+        return [_part(half, dim, rank, world, name), _part(half, dim, rank, world, name, half)]
+    return [_part(shape[dim], dim, rank, world, name)]
+
+
+def take(tensor: torch.Tensor, slices: list[Slice]) -> torch.Tensor:
+    """`tensor` cut to `slices` (as `shard_slices` gives them; a view when there is one)."""
+    if not slices:
+        return tensor
+    parts = [tensor.narrow(d, a, b - a) for d, a, b in slices]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, slices[0][0])
+
+
+def shard(name: str, tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s part of `tensor` (a view when possible; replicated tensors as they are)."""
+    return take(tensor, shard_slices(name, tuple(tensor.shape), rank, world))
 
 
 def unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:

@@ -21,9 +21,9 @@ from kvrelay.layers.parallel import TPGroup, VocabParallelEmbedding, vocab_shard
 from kvrelay.models.deepseek_v4.attention import Attention
 from kvrelay.models.deepseek_v4.experts import Experts, QuantizedExperts
 from kvrelay.models.deepseek_v4.moe import MoE
-from kvrelay.weights.dsv4_shard import shard
+from kvrelay.weights.dsv4_shard import Slice, shard_slices, take
 
-_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 @torch.no_grad()
@@ -34,9 +34,9 @@ def shard_model(model: nn.Module, tp: TPGroup, expert_parallel: bool = False) ->
         return
     c = model.config
     for name, p in list(model.named_parameters()):
-        if ".mlp.experts." in name or name in _VOCAB:
+        if ".mlp.experts." in name or name in VOCAB:
             continue  # cut below: by the MoE's mode; by vocabulary rows
-        part = shard(name, p, tp.rank, tp.world)
+        part = take(p, shard_slices(name, tuple(p.shape), tp.rank, tp.world))
         if part.shape != p.shape:
             _replace(model, name, part)
     for m in model.modules():
@@ -46,6 +46,21 @@ def shard_model(model: nn.Module, tp: TPGroup, expert_parallel: bool = False) ->
             _moe(m, tp, expert_parallel, c.n_routed_experts)
     _vocab(model, tp)
     model.tp = tp
+
+
+def rank_slices(
+    name: str, shape: tuple[int, ...], tp: TPGroup, expert_parallel: bool
+) -> list[Slice]:
+    """The slices of the whole tensor `name` (model name) that `shard_model` keeps on this rank;
+    [] means all of it. A vocabulary table's rank holds more rows than it reads at the tail:
+    the rest are zeros."""
+    if name in VOCAB:
+        start, rows = vocab_shard(shape[0], tp)
+        return [(0, start, min(start + rows, shape[0]))]
+    owner, _, leaf = name.rpartition(".")
+    if owner.endswith(".mlp.experts"):
+        return expert_slices(leaf, shape, tp, expert_parallel)
+    return shard_slices(name, shape, tp.rank, tp.world)
 
 
 def _attention(a: Attention, tp: TPGroup) -> None:
@@ -59,19 +74,30 @@ def _attention(a: Attention, tp: TPGroup) -> None:
 
 def _moe(m: MoE, tp: TPGroup, expert_parallel: bool, n_experts: int) -> None:
     ex = m.experts
+    for name, t in _expert_tensors(ex):
+        slices = expert_slices(name, tuple(t.shape), tp, expert_parallel)
+        if slices:
+            _replace(ex, name, take(t, slices))
     if expert_parallel:
         count = tp.split(n_experts, "n_routed_experts")
-        first = tp.rank * count
-        for name, t in _expert_tensors(ex):
-            _replace(ex, name, t.narrow(0, first, count))
-        m.local_experts = (first, count)
-    else:  # by intermediate dim: [gate_r; up_r] rows of gate_up, the matching columns of down
-        for name, t in _expert_tensors(ex):
-            if name.endswith("scale_2"):
-                continue  # per-expert global scales: whole
-            rule = "gate_up_proj" if name.startswith("gate_up") else "down_proj"
-            _replace(ex, name, shard(f"model.layers.0.mlp.experts.{rule}", t, tp.rank, tp.world))
+        m.local_experts = (tp.rank * count, count)
     m.tp = tp
+
+
+def expert_slices(
+    leaf: str, shape: tuple[int, ...], tp: TPGroup, expert_parallel: bool
+) -> list[Slice]:
+    """This rank's part of the routed-expert tensor `leaf` (gate_up_proj, down_packed, ...) of
+    `shape` [E, ...]: E/N whole experts with expert parallel; else [gate_r; up_r] rows of the
+    gate_up tensors and the matching input columns of the down ones (per-expert global scales
+    whole)."""
+    if expert_parallel:
+        count = tp.split(shape[0], "n_routed_experts")
+        return [(0, tp.rank * count, (tp.rank + 1) * count)]
+    if leaf.endswith("scale_2"):
+        return []
+    rule = "gate_up_proj" if leaf.startswith("gate_up") else "down_proj"
+    return shard_slices(f"model.layers.0.mlp.experts.{rule}", shape, tp.rank, tp.world)
 
 
 def _expert_tensors(ex: Experts) -> list[tuple[str, torch.Tensor]]:

@@ -80,18 +80,47 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def read_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def read_weights(
+    reader, cfg: ModelConfig, shard_range=None, nbytes: dict[str, int] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor by HF name, dequantized to float32. With `shard_range(name, shape) ->
+    (dim, start, stop) | None` (tensor parallel) only that slice of each tensor is dequantized
+    from the memory-mapped file (rows: a view; columns: whole quant blocks of every row);
+    `nbytes` (tests) gets the bytes each tensor's read touched."""
     from gguf.quants import dequantize
 
     permute = cfg.architecture == "LlamaForCausalLM"
     for t in reader.tensors:
-        w = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
         name = _hf_name(t.name)
+        shape = [int(d) for d in reversed(t.shape)]
+        r = None if shard_range is None else shard_range(name, shape)
+        data, rows = t.data, shape[0]
+        if r is not None:
+            data, shape = _slice(t, shape, *r)
+        heads = shape[0] / rows  # the share of q/k heads in a row slice (1 for whole rows)
+        if nbytes is not None:
+            nbytes[name] = data.nbytes
+        w = dequantize(data, t.tensor_type).reshape(shape)
+        if r is not None and r[0] == 1 and w.shape[1] != r[2] - r[1]:
+            w = w[:, r[1] : r[2]]  # columns inside a quant block: whole rows were read
         if permute and name.endswith("q_proj.weight"):
-            w = _unpermute(w, cfg.num_heads)
+            w = _unpermute(w, round(cfg.num_heads * heads))
         elif permute and name.endswith("k_proj.weight"):
-            w = _unpermute(w, cfg.num_kv_heads)
+            w = _unpermute(w, round(cfg.num_kv_heads * heads))
         yield name, torch.from_numpy(np.array(w, dtype=np.float32))
+
+
+def _slice(t, shape: list[int], dim: int, start: int, stop: int):
+    """(data, logical shape) of rows or columns [start, stop) of a 2-D tensor's raw data."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    if dim == 0:  # rows of a row-major tensor: a view of the mapping
+        return t.data[start:stop], [stop - start, *shape[1:]]
+    block = GGML_QUANT_SIZES[t.tensor_type][0]
+    if start % block or stop % block:  # cuts a quant block: read whole rows, cut after
+        return t.data, shape
+    unit = t.data.shape[-1] * block // shape[-1]  # data columns per quant block
+    return t.data[:, start // block * unit : stop // block * unit], [shape[0], stop - start]
 
 
 def open_gguf(path: str):

@@ -10,6 +10,7 @@ import torch
 
 from kvrelay.config import ModelConfig
 from kvrelay.models import registry
+from kvrelay.weights.tensor_source import SafetensorsReader, box_with, full_box
 
 
 def read_config(path: str) -> ModelConfig:
@@ -58,21 +59,26 @@ def safetensors_files(path: str) -> list[str]:
     return [os.path.join(path, n) for n in files]
 
 
-def read_weights(path: str, shard_range=None) -> Iterator[tuple[str, torch.Tensor]]:
+def read_weights(
+    path: str, shard_range=None, reader: SafetensorsReader | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor by name; with `shard_range(name, shape) -> (dim, start, stop) | None`
-    (tensor parallel), only that slice of each tensor is read from the file."""
+    (tensor parallel), only that slice of each tensor is read from the file (through `reader`,
+    which tests instrument)."""
     from safetensors import safe_open
 
-    for file in safetensors_files(path):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                if shard_range is None:
+    if shard_range is None:
+        for file in safetensors_files(path):
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
                     yield name, f.get_tensor(name)
-                    continue
-                part = f.get_slice(name)
-                r = shard_range(name, part.get_shape())
-                if r is None:
-                    yield name, part[:]
-                    continue
-                dim, start, stop = r
-                yield name, part[(slice(None),) * dim + (slice(start, stop),)]
+        return
+    reader = reader or SafetensorsReader()
+    try:
+        for file in safetensors_files(path):
+            for name, shape in reader.shapes(file).items():
+                r = shard_range(name, shape)
+                box = full_box(shape) if r is None else box_with(shape, *r)
+                yield name, reader.read(file, name, box)
+    finally:
+        reader.close()

@@ -163,7 +163,11 @@ def build_dense(
         _init_dummy(model, seed)
     elif src.kind == "gguf":
         reader = gguf_reader.open_gguf(src.path)
-        model.load_weights(gguf_reader.read_weights(reader, src.config))
+        if tp.is_parallel:  # each rank dequantizes only the slices it keeps
+            weights = gguf_reader.read_weights(reader, src.config, model.shard_range)
+            model.load_weights(weights, presharded=True)
+        else:
+            model.load_weights(gguf_reader.read_weights(reader, src.config))
     else:
         if tp.is_parallel:  # each rank reads only the slices it keeps
             model.load_weights(hf_dir.read_weights(src.path, model.shard_range), presharded=True)

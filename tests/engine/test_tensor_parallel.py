@@ -193,7 +193,10 @@ def test_served_tp2_matches_tp1():
 
 
 def test_safetensors_ranks_read_only_their_slices(tmp_path):
-    """Reading each rank's slices from the file gives the same weights as cutting full ones."""
+    """Reading each rank's slices from the file gives the same weights as cutting full ones, and
+    a rank reads exactly half of every split tensor (the vocabulary: its rows) and all of the
+    norms."""
+    from counting_reader import CountingReader
     from safetensors.torch import save_file
 
     from kvrelay.weights import hf_dir
@@ -206,8 +209,18 @@ def test_safetensors_ranks_read_only_their_slices(tmp_path):
     )
     for rank in range(2):
         sliced, cut = (LlamaForCausalLM(QWEN2_TINY, TPGroup(rank, 2)) for _ in range(2))
-        sliced.load_weights(hf_dir.read_weights(tmp_path, sliced.shard_range), presharded=True)
+        reader = CountingReader()
+        sliced.load_weights(
+            hf_dir.read_weights(tmp_path, sliced.shard_range, reader), presharded=True
+        )
         cut.load_weights(hf_dir.read_weights(tmp_path))
+        for name, t in full.hf_state_dict().items():
+            whole = t.numel() * t.element_size()
+            r = sliced.shard_range(name, t.shape)
+            want = whole if r is None else whole // t.shape[r[0]] * (r[2] - r[1])
+            assert reader.bytes[name] == want, name
+            if r is not None and "embed" not in name:
+                assert want * 2 == whole, name
         for (name, a), b in zip(sliced.named_parameters(), cut.parameters(), strict=True):
             assert torch.equal(a, b), name
         rows = -(-QWEN2_TINY.vocab_size // 2)
