@@ -24,13 +24,13 @@ TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Positive = Annotated[int, Field(ge=1, le=INT32_MAX)]
 
 
-
 def stop_list(v) -> list[str]:
     """`stop` as a list: one string or a list of at most 16 non-empty strings."""
     stops = [v] if isinstance(v, str) else (v or [])
     if len(stops) > 16 or any(not s for s in stops):
         raise ValueError("at most 16 non-empty stop strings")
     return stops
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)

@@ -56,7 +56,11 @@ def test_batched_equals_per_sequence_reference(qat: bool) -> None:
     eng = make_engine("torch", qat=qat)
     got_t, got_lp = run(eng, ps, n=16)
     assert got_t == want_t
-    delta = max(abs(a - b) for x, y in zip(got_lp, want_lp, strict=False) for a, b in zip(x, y, strict=False))
+    delta = max(
+        abs(a - b)
+        for x, y in zip(got_lp, want_lp, strict=False)
+        for a, b in zip(x, y, strict=False)
+    )
     assert delta < 1e-4
     eng.check_idle_integrity()
 
@@ -90,7 +94,11 @@ def test_graph_buffers_padding_and_buckets_equal_plain_steps() -> None:
     eng.runner.graphs = EagerGraphs(eng.runner, max_bs=8, max_context=eng.runner.max_model_len)
     got_t, got_lp = run(eng, ps, n=40)
     assert got_t == want_t
-    delta = max(abs(a - b) for x, y in zip(got_lp, want_lp, strict=False) for a, b in zip(x, y, strict=False))
+    delta = max(
+        abs(a - b)
+        for x, y in zip(got_lp, want_lp, strict=False)
+        for a, b in zip(x, y, strict=False)
+    )
     assert delta < 1e-4
     # 5 decoding requests -> bucket 8 (fewer while others still prefill); contexts up to 140
     # -> the smallest context bucket

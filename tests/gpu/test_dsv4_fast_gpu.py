@@ -49,7 +49,9 @@ def _run(engine: Engine, n: int = 64):
 
 def _same(a, b, tol: float = 1e-4) -> None:
     assert a[0] == b[0]
-    delta = max(abs(x - y) for r1, r2 in zip(a[1], b[1], strict=True) for x, y in zip(r1, r2, strict=True))
+    delta = max(
+        abs(x - y) for r1, r2 in zip(a[1], b[1], strict=True) for x, y in zip(r1, r2, strict=True)
+    )
     assert delta < tol
 
 

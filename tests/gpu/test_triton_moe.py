@@ -291,7 +291,7 @@ def _mx_experts(e: int, h: int, i: int, dtype: torch.dtype, gen: torch.Generator
             fan_in = 127 - round(math.log2(2.93 * (2 * p.shape[-1]) ** 0.5))
             # scales spread over +-3 octaves around fan-in scaling, and a few 2^-127 (byte 0)
             s.copy_(torch.randint(fan_in - 3, fan_in + 4, s.shape, generator=gen, device="cuda"))
-            s.view(-1)[:: 97] = 0
+            s.view(-1)[::97] = 0
     return ex
 
 

@@ -292,7 +292,9 @@ def test_absent_mtp_block_is_allowed(dirs, original, tmp_path) -> None:
 def test_missing_or_unknown_tensors_raise(dirs, tmp_path) -> None:
     _rewrite(dirs["native"], tmp_path / "a", r"layers\.2\.ffn\.experts\.5\.w3\.(weight|scale)")
     # native MXFP4 experts load packed: the packed reader names the lost matrix
-    with pytest.raises(CheckpointError, match=r"layers.2.ffn.experts: \(expert, part\) \[\(5, 'w3'\)\]"):
+    with pytest.raises(
+        CheckpointError, match=r"layers.2.ffn.experts: \(expert, part\) \[\(5, 'w3'\)\]"
+    ):
         build_model(resolve(str(tmp_path / "a")), torch.float32, torch.device("cpu"))
     _rewrite(dirs["native"], tmp_path / "b", r"layers\.4\.attn_norm\.weight")
     with pytest.raises(CheckpointError, match="missing.*layers.4.input_layernorm"):
