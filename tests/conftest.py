@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -103,6 +104,65 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self._log.close()
+
+
+def start_servers(specs: dict[str, tuple[str, ...]]) -> dict[str, ServerProcess]:
+    """Starts one server per spec side by side; if any fails, stops the others and raises."""
+    started: dict[str, ServerProcess | BaseException] = {}
+
+    def start(name: str) -> None:
+        try:
+            started[name] = ServerProcess(*specs[name])
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after all are stopped
+            started[name] = e
+
+    threads = [threading.Thread(target=start, args=(n,)) for n in specs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    failed = [s for s in started.values() if isinstance(s, BaseException)]
+    if failed:
+        for s in started.values():
+            if isinstance(s, ServerProcess):
+                s.close()
+        raise failed[0]
+    return started  # type: ignore[return-value]
+
+
+class SharedServers:
+    """Servers shared across test modules, one per distinct argument list: a module asking for
+    args some earlier module already started gets that process (no second start). They live
+    until the session ends, so tests on them must not assume a fresh server: prompts carry
+    nonces where a cache hit would matter, and counters are read as deltas."""
+
+    def __init__(self) -> None:
+        self._by_args: dict[tuple[str, ...], ServerProcess] = {}
+
+    def get(self, specs: dict[str, tuple[str, ...]]) -> dict[str, ServerProcess]:
+        missing = {" ".join(a): a for a in specs.values() if a not in self._by_args}
+        for key, s in start_servers(missing).items():
+            self._by_args[missing[key]] = s
+        return {name: self._by_args[args] for name, args in specs.items()}
+
+    def close(self) -> None:
+        for s in self._by_args.values():
+            s.close()
+
+
+# SmolLM2 float32 servers that several served modules use (through `shared_servers`): a small
+# pool (40 pages of 16, the prefix cache evicts under a few concurrent requests) and a roomy one
+# without the prefix cache; both with a 256-token step budget (chunked prefill).
+SMOLLM2_F32 = ("--model", "smollm2", "--dtype", "float32", "--max-num-batched-tokens", "256")
+SMOLLM2_F32_SMALL_POOL = (*SMOLLM2_F32, "--max-total-tokens", "640")
+SMOLLM2_F32_NO_CACHE = (*SMOLLM2_F32, "--max-total-tokens", "16384", "--disable-prefix-cache")
+
+
+@pytest.fixture(scope="session")
+def shared_servers():
+    shared = SharedServers()
+    yield shared
+    shared.close()
 
 
 @pytest.fixture(autouse=True)

@@ -35,7 +35,7 @@ def _requests(n: int = 64) -> list[dict]:
                 messages=[
                     {"role": "user", "content": f"{filler} Write about {topic}, variant {i}."}
                 ],
-                max_tokens=rng.randint(4, 40),
+                max_tokens=rng.randint(4, 20),  # mixed, so streams end at different steps
                 temperature=0,
                 logprobs=True,
                 top_logprobs=2,

@@ -8,13 +8,12 @@ prefix cache n still works, unshared."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 import uuid
 
 import openai
 import pytest
-from conftest import ServerProcess
+from conftest import SMOLLM2_F32_NO_CACHE, SMOLLM2_F32_SMALL_POOL, ServerProcess
 
 MODEL = "smollm2"
 PS = 16  # the default page size
@@ -28,36 +27,17 @@ def _system() -> str:
 
 
 @pytest.fixture(scope="module")
-def servers():
+def servers(shared_servers):
     """roomy: cache on, a 512-token step budget (without the hold, the leader and a sample would
-    prefill in one step); small: 40 pages of 16 (evictions); off: --disable-prefix-cache."""
-    specs = {
-        "roomy": (*COMMON, "--max-total-tokens", "16384", "--max-num-batched-tokens", "512"),
-        "small": (*COMMON, "--max-total-tokens", "640", "--max-num-batched-tokens", "256"),
-        "off": (*COMMON, "--max-total-tokens", "16384", "--disable-prefix-cache"),
-    }
-    started: dict[str, ServerProcess | BaseException] = {}
-
-    def start(name: str) -> None:
-        try:
-            started[name] = ServerProcess(*specs[name])
-        except BaseException as e:  # noqa: BLE001 - re-raised below, after all are stopped
-            started[name] = e
-
-    threads = [threading.Thread(target=start, args=(n,)) for n in specs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    try:
-        for s in started.values():
-            if isinstance(s, BaseException):
-                raise s
-        yield started
-    finally:
-        for s in started.values():
-            if isinstance(s, ServerProcess):
-                s.close()
+    prefill in one step); small: 40 pages of 16 (evictions); off: --disable-prefix-cache. small
+    and off are the session's shared ones (counters read as deltas, prompts carry nonces)."""
+    return shared_servers.get(
+        {
+            "roomy": (*COMMON, "--max-total-tokens", "16384", "--max-num-batched-tokens", "512"),
+            "small": SMOLLM2_F32_SMALL_POOL,
+            "off": SMOLLM2_F32_NO_CACHE,
+        }
+    )
 
 
 def _client(server: ServerProcess) -> openai.OpenAI:
@@ -172,6 +152,7 @@ def test_concurrent_first_turns_sharing_a_system_prompt_hit_while_the_first_runs
 def test_small_pool_with_n_evictions_and_aborts_frees_everything(servers):
     s = servers["small"]
     system = _system()
+    evicted0 = s.metric("kvrelay_prefix_cache_evicted_pages_total")
 
     async def run() -> list:
         client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
@@ -204,7 +185,7 @@ def test_small_pool_with_n_evictions_and_aborts_frees_everything(servers):
 
     answers = asyncio.run(run())
     _idle(s)
-    assert s.metric("kvrelay_prefix_cache_evicted_pages_total") > 0  # the pool was short
+    assert s.metric("kvrelay_prefix_cache_evicted_pages_total") > evicted0  # the pool was short
     for r in answers:  # the 4 greedy samples agree under eviction and preemption
         assert len({tuple(_tokens(c)) for c in r.choices}) == 1
     assert len(answers) == 4

@@ -7,50 +7,23 @@ small, so the cache evicts under that load and outputs stay equal."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import openai
 import pytest
-from conftest import ServerProcess
+from conftest import SMOLLM2_F32_NO_CACHE, SMOLLM2_F32_SMALL_POOL, ServerProcess
 
 MODEL = "smollm2"
 SYSTEM = "You are the help desk of the Northwind lighthouse museum. " + " ".join(
     f"Rule {k}: answer in one short sentence, stay polite, and mention room {k} if asked."
     for k in range(12)
 )
-COMMON = ("--model", "smollm2", "--dtype", "float32", "--max-num-batched-tokens", "256")
 
 
 @pytest.fixture(scope="module")
-def servers():
+def servers(shared_servers):
     """Cache on with a small pool (40 pages of 16: evictions under 16 conversations), and cache
-    off with a roomy one; started side by side."""
-    specs = {
-        "on": (*COMMON, "--max-total-tokens", "640"),
-        "off": (*COMMON, "--max-total-tokens", "16384", "--disable-prefix-cache"),
-    }
-    started: dict[str, ServerProcess | BaseException] = {}
-
-    def start(name: str) -> None:
-        try:
-            started[name] = ServerProcess(*specs[name])
-        except BaseException as e:  # noqa: BLE001 - re-raised below, after both are stopped
-            started[name] = e
-
-    threads = [threading.Thread(target=start, args=(n,)) for n in specs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    try:
-        for s in started.values():
-            if isinstance(s, BaseException):
-                raise s
-        yield started
-    finally:
-        for s in started.values():
-            if isinstance(s, ServerProcess):
-                s.close()
+    off with a roomy one; shared with other served modules (so counters are read as deltas)."""
+    return shared_servers.get({"on": SMOLLM2_F32_SMALL_POOL, "off": SMOLLM2_F32_NO_CACHE})
 
 
 def _client(server: ServerProcess) -> openai.AsyncOpenAI:
@@ -106,20 +79,22 @@ def test_multi_turn_concurrency_1_equal_and_turn_2_hits(servers):
         assert second[2] % 16 == 0  # whole pages
 
 
+def _counters(s: ServerProcess) -> tuple[float, float, float]:
+    names = ("evicted_pages", "hit_tokens", "query_tokens")
+    return tuple(s.metric(f"kvrelay_prefix_cache_{n}_total") for n in names)
+
+
 def test_16_conversations_sharing_a_system_prompt_equal_under_eviction(servers):
+    s = servers["on"]
+    evicted0, hit0, query0 = _counters(s)
     on, off = _both(servers, 16, 16)
     for i, (a, b) in enumerate(zip(on, off, strict=True)):
         assert [t[:2] for t in a] == [t[:2] for t in b], f"conversation {i} differs"
     assert sum(t[2] for conv in on for t in conv) > 16 * 100  # most turns hit the system prompt
-    s = servers["on"]
-    assert s.metric("kvrelay_prefix_cache_evicted_pages_total") > 0  # the small pool evicted
-    hit, query = (
-        s.metric("kvrelay_prefix_cache_hit_tokens_total"),
-        s.metric("kvrelay_prefix_cache_query_tokens_total"),
-    )
-    assert 0 < hit < query and s.metric("kvrelay_prefix_cache_hit_rate") == pytest.approx(
-        hit / query, rel=0.05
-    )
+    evicted, hit, query = _counters(s)
+    assert evicted > evicted0  # the small pool evicted under these 16 conversations
+    assert 0 < hit - hit0 < query - query0
+    assert s.metric("kvrelay_prefix_cache_hit_rate") == pytest.approx(hit / query, rel=0.05)
     assert servers["off"].metric("kvrelay_prefix_cache_query_tokens_total") == 0
 
 
