@@ -177,7 +177,7 @@ def _e2m1_pair(b):
 # lanes of a register; per plane, one mask keeps the nibble, one multiply places both of its
 # shifted copies (magnitude and sign; they cannot overlap, so no carries), one mask keeps the
 # bf16 bits, and one bf16x2 multiply scales: ~2.3 instructions per weight (fp32 route: ~8).
-_E2M1_BF16_ASM = tl.constexpr("""
+_E2M1_BF16_PTX = """
 {
 .reg .b32 x, a;
 prmt.b32 x, $4, 0, 0x4140;
@@ -191,7 +191,9 @@ mul.rn.bf16x2 $1, a, $6;
 and.b32 a, x, 0x00F000F0;  mul.lo.u32 a, a, 0x104;  and.b32 a, a, 0x81C081C0;
 mul.rn.bf16x2 $3, a, $6;
 }
-""")
+"""
+# a global a Triton function may read must be a constexpr (plain text on CPU installs)
+_E2M1_BF16_ASM = tl.constexpr(_E2M1_BF16_PTX) if tl is not None else _E2M1_BF16_PTX
 
 
 @_jit
