@@ -235,8 +235,9 @@ def _fp4_halves(
     # the compiler); each scale of s [R, BK/16] is converted once and spread over its 8 bytes
     # (both nibbles of a byte share it). DT float16 (the fp16-MMA route): e2m1 * e4m3 scale *
     # 2^-7, exact in fp16 (as small as 2^-17: a subnormal only for the tiniest scales), the
-    # caller multiplies the accumulator by gs * 2^7. Otherwise e2m1 * (e4m3 scale * gs) in
-    # fp32, rounded once to DT. MX (MXFP4): s holds e8m0 bytes, one per 32 inputs (16 bytes),
+    # caller multiplies the accumulator by gs * 2^7. DT bfloat16: the same exact e2m1 * e4m3
+    # scale * 2^-7 in bf16 (`_e2m1_bf16_scaled`, gs * 2^7 again on the accumulator). DT
+    # float32: e2m1 * (e4m3 scale * gs) in fp32, as the reference. MX (MXFP4): s holds e8m0 bytes, one per 32 inputs (16 bytes),
     # no global scale: the factor 2^(byte - 127) * 2^14 is built from its exponent bits
     # (exact; byte 255 is NaN as in the reference, bytes above 240 (scales > 2^113) saturate
     # to inf, no real checkpoint has them); the fp16 route is NVFP4-only.
