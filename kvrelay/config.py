@@ -219,6 +219,12 @@ ENV_KNOBS: dict[str, EnvKnob] = {
             "KVRELAY_CPU_THREADS", "0", "torch threads in the engine on CPU (0: torch default)"
         ),
         EnvKnob(
+            "KVRELAY_CACHE_DIR",
+            "~/.cache/kvrelay",
+            "where converted artefacts are kept between starts (a GGUF model's tokenizer); "
+            "'off': keep nothing",
+        ),
+        EnvKnob(
             "KVRELAY_LEDGER",
             "~/.kvrelay/ledger.db",
             "SQLite run ledger of bench/verify/ab/repro (--ledger overrides; 'off': record nothing)",

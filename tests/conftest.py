@@ -16,6 +16,20 @@ import pytest
 from kvrelay.ops.procs import engine_pid
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kvrelay_cache_dir(tmp_path_factory):
+    """Converted artefacts (SmolLM2's tokenizer) go to one directory for the session, never the
+    user's: the first process converts, every later server and engine loads the saved result."""
+    path = tmp_path_factory.mktemp("kvrelay-cache")
+    before = os.environ.get("KVRELAY_CACHE_DIR")
+    os.environ["KVRELAY_CACHE_DIR"] = str(path)
+    yield path
+    if before is None:
+        os.environ.pop("KVRELAY_CACHE_DIR")
+    else:
+        os.environ["KVRELAY_CACHE_DIR"] = before
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

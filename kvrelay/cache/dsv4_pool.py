@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrelay.cache.kv_pool import zeroed
 from kvrelay.cache.paging import row_index
 from kvrelay.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
 from kvrelay.models.deepseek_v4.precision import wide_dtype
@@ -89,7 +90,7 @@ class DeepseekV4CachePool:
         d, di, P = cfg.head_dim, cfg.index_head_dim, page_size
 
         def zeros(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dt, device=device)
+            return zeroed(shape, dt, device)
 
         def slots(ratio: int, dim: int, overlap: bool) -> _CompressorSlots:
             coff = 2 if overlap else 1

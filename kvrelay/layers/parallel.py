@@ -119,7 +119,9 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def __init__(self, vocab: int, dim: int, tp: TPGroup) -> None:
         self.start, rows = vocab_shard(vocab, tp)
-        super().__init__(rows, dim)
+        # Values always come from a checkpoint or the dummy init: skip nn.Embedding's random
+        # init (its first normal_ on meta tensors costs ~2 s of torch imports per process).
+        super().__init__(rows, dim, _weight=torch.empty(rows, dim))
         self.tp, self.vocab = tp, vocab
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

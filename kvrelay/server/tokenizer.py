@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvrelay.server.tokenizer_cache import gguf_tokenizer
 from kvrelay.weights.loader import ModelSource
 
 
@@ -9,7 +10,7 @@ def load_tokenizer(src: ModelSource):
     from transformers import AutoTokenizer
 
     if src.tokenizer_gguf:
-        return AutoTokenizer.from_pretrained(src.tokenizer_dir, gguf_file=src.tokenizer_gguf)
+        return gguf_tokenizer(src.tokenizer_dir, src.tokenizer_gguf)
     return AutoTokenizer.from_pretrained(src.tokenizer_dir)
 
 
