@@ -11,6 +11,7 @@ import torch
 
 from kvrelay.config import ModelConfig
 from kvrelay.models.registry import gguf_architecture
+from kvrelay.weights.gguf_file import GGUFFile
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -28,9 +29,8 @@ _LAYER_NAMES = {
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def _field(reader: GGUFFile, key: str, default=None):
+    return reader.fields.get(key, default)
 
 
 def read_config(reader) -> ModelConfig:
@@ -131,21 +131,5 @@ def open_gguf(path: str):
 
 
 @functools.lru_cache(maxsize=4)
-def _open_gguf(path: str, mtime_ns: int, size: int):
-    from gguf import GGUFReader
-
-    class _Reader(GGUFReader):
-        # gguf's reader slices its np.memmap once per metadata value (~150k for a 49k-token
-        # vocabulary): memmap's per-slice bookkeeping made the parse 5-6x slower than slicing a
-        # plain ndarray view of the same mapping. Same bytes, same result.
-        def _get(self, offset, dtype, count=1, override_order=None):
-            plain = self.__dict__.get("_plain")
-            if plain is None:
-                plain = self._plain = self.data.view(np.ndarray)
-            count = int(count)
-            end = offset + np.dtype(dtype).itemsize * count
-            arr = plain[offset:end].view(dtype=dtype)[:count]
-            order = self.byte_order if override_order is None else override_order
-            return arr.view(arr.dtype.newbyteorder(order))
-
-    return _Reader(path)
+def _open_gguf(path: str, mtime_ns: int, size: int) -> GGUFFile:
+    return GGUFFile(path)
