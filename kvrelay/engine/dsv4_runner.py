@@ -12,8 +12,8 @@ from kvrelay.cache.dsv4_pool import DeepseekV4CachePool, dsv4_page_size
 from kvrelay.cache.paging import pages_for
 from kvrelay.config import EngineConfig
 from kvrelay.disagg.layout import PAGE, SLOT, CacheKind
-from kvrelay.engine import prompt_logprobs
-from kvrelay.engine.dsv4_step import Dsv4Step, plan_step, recv_step, send_step, send_stop
+from kvrelay.engine import prompt_logprobs, tp_install
+from kvrelay.engine.dsv4_step import HEADER, Dsv4Step, plan_step, recv_step, send_step, send_stop
 from kvrelay.engine.prompt_logprobs import PromptRows, StepLogits
 from kvrelay.engine.runner import cache_budget, pick_device, pick_dtype
 from kvrelay.engine.scheduler import ScheduledRequest
@@ -61,6 +61,7 @@ class DeepseekV4Runner:
             cfg.cache.index_k_dtype,
         )  # fmt: skip
         self.num_pages = num_pages  # the scheduler hands them out (page 0 never)
+        self._kinds: list[CacheKind] | None = None  # transfer_layout(), for PD decode installs
         self.layer_hook = None  # benchmarks of the reference path: called before each layer
         self.reference = cfg.attention_backend == "reference"
         self.ratios = tuple(
@@ -189,11 +190,26 @@ class DeepseekV4Runner:
             )  # fmt: skip
         return self.model.compute_logits(hidden[: step.n_sampled]).float(), hidden
 
+    def install_piece(self, piece: tp_install.InstallPiece) -> None:
+        """A PD decode server: install a received KV piece on every rank (each holds the whole
+        cache)."""
+        tp_install.install_everywhere(
+            self.tp, self.device, HEADER, self._layout(), self.page_size, piece
+        )
+
+    def _layout(self) -> list[CacheKind]:
+        if self._kinds is None:
+            self._kinds = self.transfer_layout()
+        return self._kinds
+
     def follow(self) -> None:
         """Ranks > 0 of tensor parallel: run each step rank 0 broadcasts until it says stop."""
         with torch.inference_mode():
             while (step := recv_step(self.tp, self.device)) is not None:
-                self._forward_step(step, None)
+                if isinstance(step, tp_install.InstallPiece):
+                    tp_install.install(self._layout(), self.page_size, step)
+                else:
+                    self._forward_step(step, None)
 
     def stop_followers(self) -> None:
         """Rank 0: end the followers' `follow` loops."""
@@ -248,10 +264,8 @@ def check_parallel(cfg: EngineConfig, device: torch.device) -> None:
         )
     if cfg.linear_weights != "auto":
         raise ValueError(f"--linear-weights {cfg.linear_weights} is not supported with TP yet")
-    # Every rank holds the whole cache (one shared KV head), so rank 0 alone can send a prefill's
-    # cache; a decode side would have to install the received rows on every rank.
-    if cfg.role == "decode":
-        raise ValueError("DeepSeek-V4 tensor parallel serves the single and prefill roles only")
+    # Every rank holds the whole cache (one shared KV head): rank 0 alone sends a prefill's cache,
+    # and a decode server's rank 0 hands each received piece to every rank (tp_install.py).
 
 
 def _pick_ops(backend: str, device: torch.device) -> tuple[AttentionOps, LayerKernels | None]:
