@@ -46,13 +46,15 @@ class DeepseekV4Runner:
         c = self.model_cfg = src.config
         self.page_size = dsv4_page_size(c, cfg.cache.page_size)
         torch.manual_seed(cfg.seed)
+        a2a = cfg.ep_dispatch == "all-to-all"
         if self.tp.is_parallel and src.kind == "hf":  # read only this rank's slices
             self.model = load_rank(
-                src.path, c, self.dtype, self.device, self.tp, cfg.expert_parallel
-            )
+                src.path, c, self.dtype, self.device, self.tp, cfg.expert_parallel,
+                ep_all_to_all=a2a,
+            )  # fmt: skip
         else:  # built whole (dummy weights: those of TP=1), then cut to this rank's part
             self.model = build_model(src, self.dtype, self.device, cfg.seed)
-            shard_model(self.model, self.tp, cfg.expert_parallel)
+            shard_model(self.model, self.tp, cfg.expert_parallel, a2a)
         num_slots = cfg.scheduler.max_running_requests + 1  # slot 0 is never handed out
         # The pools are the same on every rank (one shared KV head): the same page ids everywhere.
         num_pages = self.tp.min_int(self._num_pages(num_slots))
@@ -87,10 +89,10 @@ class DeepseekV4Runner:
             self.graphs = Dsv4GraphRunner(self, cfg.max_cuda_graph_batch, self.max_model_len)
         log.info(
             "runner ready model=deepseek_v4 device=%s dtype=%s pages=%d page_size=%d "
-            "slots=%d max_model_len=%d index_k=%s tp_rank=%d/%d expert_parallel=%s",
+            "slots=%d max_model_len=%d index_k=%s tp_rank=%d/%d expert_parallel=%s ep_dispatch=%s",
             self.device, self.dtype, num_pages, self.page_size, num_slots - 1,
             self.max_model_len, cfg.cache.index_k_dtype, self.tp.rank, self.tp.world,
-            cfg.expert_parallel,
+            cfg.expert_parallel, cfg.ep_dispatch,
         )  # fmt: skip
 
     def _num_pages(self, num_slots: int) -> int:
@@ -255,6 +257,8 @@ def check_parallel(cfg: EngineConfig, device: torch.device) -> None:
     """DeepSeek-V4 TP/EP runs the torch path on the CPU (gloo) only, so far: refuse the rest."""
     if cfg.expert_parallel and cfg.tensor_parallel_size < 2:
         raise ValueError("--expert-parallel needs --tensor-parallel-size 2 or more")
+    if cfg.ep_dispatch != "all-reduce" and not cfg.expert_parallel:
+        raise ValueError(f"--ep-dispatch {cfg.ep_dispatch} needs --expert-parallel")
     if cfg.tensor_parallel_size == 1:
         return
     if device.type != "cpu" or cfg.attention_backend == "triton":

@@ -64,8 +64,8 @@ class ModelRunner:
                 f"--linear-weights {cfg.linear_weights} is for DeepSeek-V4 models; "
                 f"{src.config.architecture} runs its weights in the model dtype"
             )
-        if cfg.expert_parallel:
-            raise ValueError("--expert-parallel is for DeepSeek-V4 (MoE) models")
+        if cfg.expert_parallel or cfg.ep_dispatch != "all-reduce":
+            raise ValueError("--expert-parallel and --ep-dispatch are for DeepSeek-V4 (MoE) models")
         self.cfg = cfg
         self.device = pick_device(cfg.device)
         self.dtype = pick_dtype(cfg.dtype, self.device)

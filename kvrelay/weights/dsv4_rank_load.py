@@ -74,6 +74,7 @@ def load_rank(
     tp: TPGroup,
     expert_parallel: bool = False,
     reader: SafetensorsReader | None = None,
+    ep_all_to_all: bool = False,
 ) -> nn.Module:
     """Rank `tp.rank`'s `DeepseekV4ForCausalLM` of the checkpoint directory `path`, equal to
     loading it whole and calling `shard_model`. Without an MTP block in the checkpoint the model
@@ -90,7 +91,7 @@ def load_rank(
             model = DeepseekV4ForCausalLM(config, dtype, with_mtp=with_mtp)
             # The whole shapes, before the cut: the sources are checked against them.
             whole = {n: tuple(t.shape) for n, t in model.state_dict().items()}
-            shard_model(model, tp, expert_parallel)  # new tables (vocab) on meta too
+            shard_model(model, tp, expert_parallel, ep_all_to_all)  # new tables on meta too
         _materialize(model, device)
         own = model.state_dict()
         sources = Sources(ckpt, reader)
@@ -121,9 +122,8 @@ def load_rank(
                 raise CheckpointError(
                     f"{name}: checkpoint shape {src.shape} != model shape {whole[name]}"
                 )
-            _fill(
-                own[name], read_part(src, rank_slices(name, src.shape, tp, expert_parallel)), name
-            )
+            slices = rank_slices(name, src.shape, tp, expert_parallel, ep_all_to_all)
+            _fill(own[name], read_part(src, slices), name)
             seen.add(name)
         reader.close()
     missing = set(own) - seen
