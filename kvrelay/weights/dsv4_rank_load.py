@@ -65,6 +65,19 @@ def read_part(src: Source, slices: list[Slice]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, slices[0][0])
 
 
+def read_into(dst: torch.Tensor, src: Source, slices: list[Slice], name: str) -> None:
+    """The slices of `src` copied into their places in `dst`, box by box: no concatenated
+    buffer (safetensors hands back views of its file mapping, so each box is one copy)."""
+    if len(slices) < 2:
+        return _fill(dst, read_part(src, slices), name)
+    at = 0
+    for d, a, b in slices:
+        _fill(dst.narrow(d, at, b - a), src.read(box_with(src.shape, d, a, b)), name)
+        at += b - a
+    if at != dst.shape[slices[0][0]]:
+        raise CheckpointError(f"{name}: rank part of {at} along dim {slices[0][0]}, {dst.shape}")
+
+
 @torch.no_grad()
 def load_rank(
     path: str,
@@ -122,8 +135,12 @@ def load_rank(
                 raise CheckpointError(
                     f"{name}: checkpoint shape {src.shape} != model shape {whole[name]}"
                 )
-            slices = rank_slices(name, src.shape, tp, expert_parallel, ep_all_to_all)
-            _fill(own[name], read_part(src, slices), name)
+            read_into(
+                own[name],
+                src,
+                rank_slices(name, src.shape, tp, expert_parallel, ep_all_to_all),
+                name,
+            )
             seen.add(name)
         reader.close()
     missing = set(own) - seen
