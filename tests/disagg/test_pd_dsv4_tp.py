@@ -1,8 +1,9 @@
 """DeepSeek-V4 PD with tensor parallel on either side == one single TP=1 server: prefill TP=2
 with expert parallel (two gloo ranks; rank 0 sends the cache, which every rank holds whole) to
 decode TP=1, prefill TP=1 to decode TP=2 (decode's rank 0 receives and hands each piece to rank
-1: engine/tp_install.py), and prefill TP=2 + EP to decode TP=2. One decode TP=2 server and two
-prefill servers serve the three pairs, each through a router of its own.
+1: engine/tp_install.py), and prefill TP=2 + EP to decode TP=2. One decode TP=2 server (with
+expert parallel and all-to-all token dispatch: the served path of `--ep-dispatch all-to-all`)
+and two prefill servers serve the three pairs, each through a router of its own.
 
 The trained dsv4-tiny-agent (real weights, peaked logits, no QAT simulation) in float32 on the
 CPU; prefill runs 22-token chunks, so chunks end mid-window. Greedy text must be identical;
@@ -25,6 +26,7 @@ MODEL = "dsv4-tiny-agent"
 SERVE = ("--model", str(AGENT), "--served-model-name", MODEL, "--device", "cpu")
 SERVE += ("--dtype", "float32")
 PREFILL = ("--max-num-batched-tokens", "22", "--tensor-parallel-size", "2", "--expert-parallel")
+DECODE_TP2 = ("--tensor-parallel-size", "2", "--expert-parallel", "--ep-dispatch", "all-to-all")
 STORY = (
     "The old lighthouse keeper climbed the spiral stairs every evening, counting the steps, "
     "listening to the sea, and writing the weather into a leather notebook. "
@@ -34,14 +36,12 @@ STORY = (
 @pytest.fixture(scope="module")
 def stacks():
     """The single server, the PD stack (prefill TP=2 + EP, decode TP=1), and routers from its
-    prefill and from a TP=1 prefill to a TP=2 decode: {pair name: its router}."""
+    prefill and from a TP=1 prefill to a TP=2 + EP (all-to-all) decode: {pair name: its router}."""
     pd_common = (*SERVE, "--max-total-tokens", "4096", "--pd-secret", PD_SECRET)
     with engine_threads(), ThreadPoolExecutor(4) as ex:
         fs = ex.submit(ServerProcess, *SERVE, "--max-total-tokens", "4096")
         fp = ex.submit(PDStack, prefill_args=PREFILL, max_total_tokens=4096, model=SERVE)
-        fd2 = ex.submit(
-            ServerProcess, *pd_common, "--role", "decode", "--tensor-parallel-size", "2"
-        )
+        fd2 = ex.submit(ServerProcess, *pd_common, "--role", "decode", *DECODE_TP2)
         fp1 = ex.submit(
             ServerProcess, *pd_common, "--role", "prefill", "--max-num-batched-tokens", "22"
         )
