@@ -91,6 +91,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "experts (instead of 1/N of every expert's intermediate dim); outputs are all-reduced",
     )
     g.add_argument(
+        "--ep-dispatch",
+        choices=("all-reduce", "all-to-all"),
+        default=d.ep_dispatch,
+        help="with --expert-parallel: every rank runs its experts over all tokens and one "
+        "all-reduce per MoE sums them (all-reduce), or each rank sends the 1/N of the tokens it "
+        "owns to their experts' ranks and back, then all-gathers (all-to-all: more bytes while "
+        "attention keeps every token on every rank; see README)",
+    )
+    g.add_argument(
         "--page-size",
         type=int,
         default=c.page_size,
@@ -307,6 +316,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         seed=a.seed,
         tensor_parallel_size=a.tensor_parallel_size,
         expert_parallel=a.expert_parallel,
+        ep_dispatch=a.ep_dispatch,
         cache=CacheConfig(
             page_size=a.page_size,
             max_total_tokens=a.max_total_tokens,

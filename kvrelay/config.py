@@ -116,6 +116,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # DeepSeek-V4 under TP: routed experts split by expert (E/N per rank), not by intermediate dim.
     expert_parallel: bool = False
+    # Expert parallel: one all-reduce per MoE ("all-reduce"), or each rank's tokens dispatched to
+    # their experts' ranks and back, then all-gathered ("all-to-all": deepseek_v4/ep_dispatch.py).
+    ep_dispatch: str = "all-reduce"
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
 

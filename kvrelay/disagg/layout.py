@@ -9,6 +9,9 @@ touch the tensors through these descriptions, so a new cache kind needs no chang
   the prompt's last `keep_last` tokens (a sliding window), so older rows are not sent.
 - unit "slot": first dim = the request's state slot (per-request state, e.g. a compressor's
   open window). Only its value after the whole prompt matters: it is sent once, at the end.
+- `shard` (rank, world): the tensor holds only part `rank` of `world` equal parts of each row's
+  first dim (a dense model's KV heads under tensor parallel). The layout describes, and the
+  transfer moves, whole rows; installing keeps this rank's part.
 """
 
 from __future__ import annotations
@@ -31,10 +34,15 @@ class CacheKind:
     layer: int  # kinds of the same layers travel in one piece
     ratio: int = 1  # page kinds: tokens per row
     keep_last: int = 0  # page kinds: only the last `keep_last` tokens' rows are read again
+    shard: tuple[int, int] = (0, 1)  # (rank, world): this tensor's part of each row's first dim
 
     @property
     def row_shape(self) -> tuple[int, ...]:
-        return tuple(self.tensor.shape[2:] if self.unit == PAGE else self.tensor.shape[1:])
+        """The shape of a whole row (what travels), shards put together."""
+        shape = list(self.tensor.shape[2:] if self.unit == PAGE else self.tensor.shape[1:])
+        if self.shard[1] > 1:
+            shape[0] *= self.shard[1]
+        return tuple(shape)
 
     @property
     def row_bytes(self) -> int:
@@ -45,8 +53,8 @@ class CacheKind:
 
     @property
     def byte_rows(self) -> torch.Tensor:
-        """The tensor as bytes, one row per cache row: [rows, row_bytes], a view (writes land in
-        the pool), the same for every dtype (fp8 included)."""
+        """The tensor as bytes, one row per cache row: [rows, row_bytes / shard world], a view
+        (writes land in the pool), the same for every dtype (fp8 included)."""
         t = self.tensor.flatten(0, 1) if self.unit == PAGE else self.tensor
         return t.reshape(t.shape[0], -1).view(torch.uint8)
 

@@ -38,6 +38,8 @@ def expected_bytes(kinds: list[CacheKind], rows: list[torch.Tensor]) -> int:
 
 def gather_rows(kinds: list[CacheKind], rows: list[torch.Tensor]) -> torch.Tensor:
     """Each kind's rows, in order, as one byte tensor on the cache's device."""
+    if any(k.shard[1] > 1 for k in kinds):  # refused at startup (a TP prefill of a dense model)
+        raise ValueError("a sharded cache kind holds part of each row: it cannot be sent whole")
     parts = [k.byte_rows.index_select(0, r).reshape(-1) for k, r in zip(kinds, rows, strict=True)]
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
 
@@ -47,14 +49,22 @@ def gather(kinds: list[CacheKind], rows: list[torch.Tensor]) -> memoryview:
     return memoryview(gather_rows(kinds, rows).cpu().numpy())
 
 
-def scatter(kinds: list[CacheKind], rows: list[torch.Tensor], payload: memoryview | None) -> None:
-    """Install a verified payload (sized by `expected_bytes`) into the pools."""
+def scatter(kinds: list[CacheKind], rows: list[torch.Tensor], payload) -> None:
+    """Install a verified payload (sized by `expected_bytes`; host bytes or a uint8 tensor) into
+    the pools; a sharded kind keeps its part of each row."""
     if payload is None:
         return  # an empty piece (every row range empty)
-    buf = torch.frombuffer(payload, dtype=torch.uint8)
+    buf = (
+        payload
+        if isinstance(payload, torch.Tensor)
+        else torch.frombuffer(payload, dtype=torch.uint8)
+    )
     off = 0
     for k, r in zip(kinds, rows, strict=True):
         nb = k.row_bytes * len(r)
         src = buf[off : off + nb].view(len(r), k.row_bytes)
+        rank, world = k.shard
+        if world > 1:
+            src = src.view(len(r), world, -1)[:, rank]
         k.byte_rows.index_copy_(0, r, src.to(k.tensor.device))
         off += nb

@@ -32,12 +32,13 @@ from kvrelay.disagg import handshake as H
 from kvrelay.disagg import protocol as P
 from kvrelay.disagg.agent import Event, TransferAgent
 from kvrelay.disagg.layout import SLOT
-from kvrelay.disagg.pieces import expected_bytes, gather_rows, piece_rows, scatter
+from kvrelay.disagg.pieces import expected_bytes, gather_rows, piece_rows
 from kvrelay.disagg.protocol import TState
 from kvrelay.disagg.transport.base import Connection
 from kvrelay.disagg.transport.cuda_ipc import device_checksum, export_tensors
 from kvrelay.engine.messages import RequestOutput, TokenLogprob
 from kvrelay.engine.scheduler import Fence
+from kvrelay.engine.tp_install import InstallPiece
 
 log = logging.getLogger("kvrelay.disagg")
 
@@ -93,6 +94,7 @@ class DecodeReceiver(TransferAgent):
         ] = {}  # transfer id -> when it failed: its late pieces are dropped quietly
         self.fences: dict[str, Fenced] = {}  # transfer id -> pages prefill may still write into
         self._handshakes: dict[Connection, Handshake] = {}  # said hello, not yet authenticated
+        self.kind_index = {k.name: i for i, k in enumerate(self.kinds)}  # as the runner lists them
         self.addr = self.transport.listen(
             self.cfg.transfer_host, self.cfg.transfer_port, self._on_message, self._on_close
         )
@@ -338,8 +340,10 @@ class DecodeReceiver(TransferAgent):
             bad = self._payload_problem(h, ev, expected)
         if bad:
             return self._fail(t, *bad)
-        if not h.in_place:
-            scatter(kinds, rows, ev.payload)
+        if not h.in_place:  # through the runner: with TP every rank installs it
+            idx = [self.kind_index[name] for name in h.kinds]
+            piece = InstallPiece(idx, list(req.pages), req.state_slot, s, e, n_tok, ev.payload)
+            self.engine.runner.install_piece(piece)
         for name in h.kinds:
             t.filled[name] = e
         t.num_chunks += 1

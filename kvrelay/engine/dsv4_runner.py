@@ -12,8 +12,8 @@ from kvrelay.cache.dsv4_pool import DeepseekV4CachePool, dsv4_page_size
 from kvrelay.cache.paging import pages_for
 from kvrelay.config import EngineConfig
 from kvrelay.disagg.layout import PAGE, SLOT, CacheKind
-from kvrelay.engine import prompt_logprobs
-from kvrelay.engine.dsv4_step import Dsv4Step, plan_step, recv_step, send_step, send_stop
+from kvrelay.engine import prompt_logprobs, tp_install
+from kvrelay.engine.dsv4_step import HEADER, Dsv4Step, plan_step, recv_step, send_step, send_stop
 from kvrelay.engine.prompt_logprobs import PromptRows, StepLogits
 from kvrelay.engine.runner import cache_budget, pick_device, pick_dtype
 from kvrelay.engine.scheduler import ScheduledRequest
@@ -46,13 +46,15 @@ class DeepseekV4Runner:
         c = self.model_cfg = src.config
         self.page_size = dsv4_page_size(c, cfg.cache.page_size)
         torch.manual_seed(cfg.seed)
+        a2a = cfg.ep_dispatch == "all-to-all"
         if self.tp.is_parallel and src.kind == "hf":  # read only this rank's slices
             self.model = load_rank(
-                src.path, c, self.dtype, self.device, self.tp, cfg.expert_parallel
-            )
+                src.path, c, self.dtype, self.device, self.tp, cfg.expert_parallel,
+                ep_all_to_all=a2a,
+            )  # fmt: skip
         else:  # built whole (dummy weights: those of TP=1), then cut to this rank's part
             self.model = build_model(src, self.dtype, self.device, cfg.seed)
-            shard_model(self.model, self.tp, cfg.expert_parallel)
+            shard_model(self.model, self.tp, cfg.expert_parallel, a2a)
         num_slots = cfg.scheduler.max_running_requests + 1  # slot 0 is never handed out
         # The pools are the same on every rank (one shared KV head): the same page ids everywhere.
         num_pages = self.tp.min_int(self._num_pages(num_slots))
@@ -61,6 +63,7 @@ class DeepseekV4Runner:
             cfg.cache.index_k_dtype,
         )  # fmt: skip
         self.num_pages = num_pages  # the scheduler hands them out (page 0 never)
+        self._kinds: list[CacheKind] | None = None  # transfer_layout(), for PD decode installs
         self.layer_hook = None  # benchmarks of the reference path: called before each layer
         self.reference = cfg.attention_backend == "reference"
         self.ratios = tuple(
@@ -86,10 +89,10 @@ class DeepseekV4Runner:
             self.graphs = Dsv4GraphRunner(self, cfg.max_cuda_graph_batch, self.max_model_len)
         log.info(
             "runner ready model=deepseek_v4 device=%s dtype=%s pages=%d page_size=%d "
-            "slots=%d max_model_len=%d index_k=%s tp_rank=%d/%d expert_parallel=%s",
+            "slots=%d max_model_len=%d index_k=%s tp_rank=%d/%d expert_parallel=%s ep_dispatch=%s",
             self.device, self.dtype, num_pages, self.page_size, num_slots - 1,
             self.max_model_len, cfg.cache.index_k_dtype, self.tp.rank, self.tp.world,
-            cfg.expert_parallel,
+            cfg.expert_parallel, cfg.ep_dispatch,
         )  # fmt: skip
 
     def _num_pages(self, num_slots: int) -> int:
@@ -189,11 +192,26 @@ class DeepseekV4Runner:
             )  # fmt: skip
         return self.model.compute_logits(hidden[: step.n_sampled]).float(), hidden
 
+    def install_piece(self, piece: tp_install.InstallPiece) -> None:
+        """A PD decode server: install a received KV piece on every rank (each holds the whole
+        cache)."""
+        tp_install.install_everywhere(
+            self.tp, self.device, HEADER, self._layout(), self.page_size, piece
+        )
+
+    def _layout(self) -> list[CacheKind]:
+        if self._kinds is None:
+            self._kinds = self.transfer_layout()
+        return self._kinds
+
     def follow(self) -> None:
         """Ranks > 0 of tensor parallel: run each step rank 0 broadcasts until it says stop."""
         with torch.inference_mode():
             while (step := recv_step(self.tp, self.device)) is not None:
-                self._forward_step(step, None)
+                if isinstance(step, tp_install.InstallPiece):
+                    tp_install.install(self._layout(), self.page_size, step)
+                else:
+                    self._forward_step(step, None)
 
     def stop_followers(self) -> None:
         """Rank 0: end the followers' `follow` loops."""
@@ -239,6 +257,8 @@ def check_parallel(cfg: EngineConfig, device: torch.device) -> None:
     """DeepSeek-V4 TP/EP runs the torch path on the CPU (gloo) only, so far: refuse the rest."""
     if cfg.expert_parallel and cfg.tensor_parallel_size < 2:
         raise ValueError("--expert-parallel needs --tensor-parallel-size 2 or more")
+    if cfg.ep_dispatch != "all-reduce" and not cfg.expert_parallel:
+        raise ValueError(f"--ep-dispatch {cfg.ep_dispatch} needs --expert-parallel")
     if cfg.tensor_parallel_size == 1:
         return
     if device.type != "cpu" or cfg.attention_backend == "triton":
@@ -248,10 +268,8 @@ def check_parallel(cfg: EngineConfig, device: torch.device) -> None:
         )
     if cfg.linear_weights != "auto":
         raise ValueError(f"--linear-weights {cfg.linear_weights} is not supported with TP yet")
-    # Every rank holds the whole cache (one shared KV head), so rank 0 alone can send a prefill's
-    # cache; a decode side would have to install the received rows on every rank.
-    if cfg.role == "decode":
-        raise ValueError("DeepSeek-V4 tensor parallel serves the single and prefill roles only")
+    # Every rank holds the whole cache (one shared KV head): rank 0 alone sends a prefill's cache,
+    # and a decode server's rank 0 hands each received piece to every rank (tp_install.py).
 
 
 def _pick_ops(backend: str, device: torch.device) -> tuple[AttentionOps, LayerKernels | None]:

@@ -13,11 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrelay.engine import tp_install
 from kvrelay.engine.scheduler import ScheduledRequest
+from kvrelay.engine.tp_install import InstallPiece
 from kvrelay.layers.parallel import TPGroup
 
 STEP, STOP = 1, 0
-_HEADER = 6  # kind, requests, ids, pages, wanted rows, sampled rows
+HEADER = 6  # kind, requests, ids, pages, wanted rows, sampled rows
 
 
 @dataclass(frozen=True)
@@ -71,15 +73,17 @@ def send_step(step: Dsv4Step, tp: TPGroup, device: torch.device) -> None:
 
 
 def send_stop(tp: TPGroup, device: torch.device) -> None:
-    tp.broadcast(torch.tensor([STOP] + [0] * (_HEADER - 1), dtype=torch.int64, device=device))
+    tp.broadcast(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64, device=device))
 
 
-def recv_step(tp: TPGroup, device: torch.device) -> Dsv4Step | None:
-    """The step rank 0 sent, or None when it said stop."""
-    head = tp.broadcast(torch.empty(_HEADER, dtype=torch.int64, device=device)).tolist()
+def recv_step(tp: TPGroup, device: torch.device) -> Dsv4Step | InstallPiece | None:
+    """The step rank 0 sent (or a KV piece to install), or None when it said stop."""
+    head = tp.broadcast(torch.empty(HEADER, dtype=torch.int64, device=device)).tolist()
     kind, b, n_ids, n_pages, n_rows, n_sampled = head
     if kind == STOP:
         return None
+    if kind == tp_install.INSTALL:  # a PD decode server: KV rank 0 received, for every rank
+        return tp_install.recv(tp, device, head)
     size = n_ids + 4 * b + n_pages + n_rows
     flat = tp.broadcast(torch.empty(size, dtype=torch.int64, device=device)).tolist()
     parts, at = [], 0

@@ -15,7 +15,7 @@ from kvrelay.cache.kv_pool import KVPool, bytes_per_token
 from kvrelay.cache.paging import pages_for
 from kvrelay.config import EngineConfig
 from kvrelay.disagg.layout import PAGE, CacheKind
-from kvrelay.engine import prompt_logprobs, tp_step
+from kvrelay.engine import prompt_logprobs, tp_install, tp_step
 from kvrelay.engine.batch import ForwardBatch, prepare
 from kvrelay.engine.prompt_logprobs import StepLogits
 from kvrelay.engine.scheduler import ScheduledRequest
@@ -64,8 +64,8 @@ class ModelRunner:
                 f"--linear-weights {cfg.linear_weights} is for DeepSeek-V4 models; "
                 f"{src.config.architecture} runs its weights in the model dtype"
             )
-        if cfg.expert_parallel:
-            raise ValueError("--expert-parallel is for DeepSeek-V4 (MoE) models")
+        if cfg.expert_parallel or cfg.ep_dispatch != "all-reduce":
+            raise ValueError("--expert-parallel and --ep-dispatch are for DeepSeek-V4 (MoE) models")
         self.cfg = cfg
         self.device = pick_device(cfg.device)
         self.dtype = pick_dtype(cfg.dtype, self.device)
@@ -77,6 +77,7 @@ class ModelRunner:
             src, self.dtype, self.device, cfg.seed, cfg.max_model_len or 1 << 17, self.tp
         )
         self.model_cfg = src.config
+        self._kinds: list[CacheKind] | None = None  # transfer_layout(), for PD decode installs
         self.num_state_slots = 0  # dense models keep no per-request state outside the KV pages
         backend = cfg.attention_backend
         if backend == "auto":
@@ -138,12 +139,25 @@ class ModelRunner:
         return dataclasses.replace(c, num_kv_heads=c.num_kv_heads // self.tp.world)
 
     def transfer_layout(self) -> list[CacheKind]:
-        """The caches a PD transfer moves: each layer's paged K and V."""
+        """The caches a PD transfer moves: each layer's paged K and V (whole rows: with TP this
+        rank's tensors hold its shard of the KV heads)."""
+        shard = (self.tp.rank, self.tp.world)
         return [
-            CacheKind(f"L{i}.{name}", t, PAGE, i)
+            CacheKind(f"L{i}.{name}", t, PAGE, i, shard=shard)
             for i, kv in enumerate(self.kv.layers)
             for name, t in zip(("k", "v"), kv, strict=True)
         ]
+
+    def install_piece(self, piece: tp_install.InstallPiece) -> None:
+        """A PD decode server: install a received KV piece on every rank (each keeps its heads)."""
+        tp_install.install_everywhere(
+            self.tp, self.device, tp_step.HEADER, self._layout(), self.page_size, piece
+        )
+
+    def _layout(self) -> list[CacheKind]:
+        if self._kinds is None:
+            self._kinds = self.transfer_layout()
+        return self._kinds
 
     @torch.inference_mode()
     def forward(
@@ -184,7 +198,10 @@ class ModelRunner:
     def follow(self) -> None:
         """Ranks > 0 of tensor parallel: run each step rank 0 broadcasts until it says stop."""
         while (fb := tp_step.recv_batch(self.tp, self.device)) is not None:
-            self.forward_batch(fb)
+            if isinstance(fb, tp_install.InstallPiece):
+                tp_install.install(self._layout(), self.page_size, fb)
+            else:
+                self.forward_batch(fb)
 
     def stop_followers(self) -> None:
         """Rank 0: end the followers' `follow` loops."""

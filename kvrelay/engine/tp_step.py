@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import torch
 
+from kvrelay.engine import tp_install
 from kvrelay.engine.batch import ForwardBatch
+from kvrelay.engine.tp_install import InstallPiece
 from kvrelay.layers.attention import AttentionMetadata
 from kvrelay.layers.parallel import TPGroup
 
 STEP, STOP = 1, 0
-_HEADER = 7  # kind, T, B, max_pages, N sampled rows, max_q_len, is_decode
+HEADER = 7  # kind, T, B, max_pages, N sampled rows, max_q_len, is_decode
 
 
 def send_batch(fb: ForwardBatch, tp: TPGroup) -> None:
@@ -38,15 +40,17 @@ def send_batch(fb: ForwardBatch, tp: TPGroup) -> None:
 
 
 def send_stop(tp: TPGroup, device: torch.device) -> None:
-    tp.broadcast(torch.tensor([STOP] + [0] * (_HEADER - 1), dtype=torch.int64, device=device))
+    tp.broadcast(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64, device=device))
 
 
-def recv_batch(tp: TPGroup, device: torch.device) -> ForwardBatch | None:
-    """The batch rank 0 sent, or None when it said stop."""
-    header = tp.broadcast(torch.empty(_HEADER, dtype=torch.int64, device=device)).tolist()
+def recv_batch(tp: TPGroup, device: torch.device) -> ForwardBatch | InstallPiece | None:
+    """The batch rank 0 sent (or a KV piece to install), or None when it said stop."""
+    header = tp.broadcast(torch.empty(HEADER, dtype=torch.int64, device=device)).tolist()
     kind, t, b, pages, n, max_q_len, is_decode = header
     if kind == STOP:
         return None
+    if kind == tp_install.INSTALL:  # a PD decode server: KV rank 0 received, for every rank
+        return tp_install.recv(tp, device, header)
     payload = tp.broadcast(
         torch.empty(3 * t + b * pages + 2 * b + 1 + n, dtype=torch.int64, device=device)
     )

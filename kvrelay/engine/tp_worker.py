@@ -73,8 +73,11 @@ def check_supported(cfg: EngineConfig, src: ModelSource) -> None:
         check_parallel(cfg, pick_device(cfg.device))
     elif family is not registry.DENSE:
         raise ValueError(f"tensor parallel does not serve {family.name} models yet")
-    elif cfg.role != "single":
-        raise ValueError("tensor parallel is not supported with prefill-decode roles yet")
+    elif cfg.role == "prefill":  # rank 0 holds only its KV heads: sending would need a gather
+        raise ValueError("a dense model's tensor parallel serves the single and decode roles only")
+    elif cfg.role == "decode" and cfg.disagg.transfer_backend != "tcp":
+        # cuda_ipc writes whole rows into rank 0's pages, which hold only its KV heads
+        raise ValueError("a dense model's tensor-parallel decode role needs --transfer-backend tcp")
 
 
 def start_followers(cfg: EngineConfig) -> tuple[list[subprocess.Popen], int]:

@@ -65,6 +65,19 @@ def read_part(src: Source, slices: list[Slice]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, slices[0][0])
 
 
+def read_into(dst: torch.Tensor, src: Source, slices: list[Slice], name: str) -> None:
+    """The slices of `src` copied into their places in `dst`, box by box: no concatenated
+    buffer (safetensors hands back views of its file mapping, so each box is one copy)."""
+    if len(slices) < 2:
+        return _fill(dst, read_part(src, slices), name)
+    at = 0
+    for d, a, b in slices:
+        _fill(dst.narrow(d, at, b - a), src.read(box_with(src.shape, d, a, b)), name)
+        at += b - a
+    if at != dst.shape[slices[0][0]]:
+        raise CheckpointError(f"{name}: rank part of {at} along dim {slices[0][0]}, {dst.shape}")
+
+
 @torch.no_grad()
 def load_rank(
     path: str,
@@ -74,6 +87,7 @@ def load_rank(
     tp: TPGroup,
     expert_parallel: bool = False,
     reader: SafetensorsReader | None = None,
+    ep_all_to_all: bool = False,
 ) -> nn.Module:
     """Rank `tp.rank`'s `DeepseekV4ForCausalLM` of the checkpoint directory `path`, equal to
     loading it whole and calling `shard_model`. Without an MTP block in the checkpoint the model
@@ -90,7 +104,7 @@ def load_rank(
             model = DeepseekV4ForCausalLM(config, dtype, with_mtp=with_mtp)
             # The whole shapes, before the cut: the sources are checked against them.
             whole = {n: tuple(t.shape) for n, t in model.state_dict().items()}
-            shard_model(model, tp, expert_parallel)  # new tables (vocab) on meta too
+            shard_model(model, tp, expert_parallel, ep_all_to_all)  # new tables on meta too
         _materialize(model, device)
         own = model.state_dict()
         sources = Sources(ckpt, reader)
@@ -121,8 +135,11 @@ def load_rank(
                 raise CheckpointError(
                     f"{name}: checkpoint shape {src.shape} != model shape {whole[name]}"
                 )
-            _fill(
-                own[name], read_part(src, rank_slices(name, src.shape, tp, expert_parallel)), name
+            read_into(
+                own[name],
+                src,
+                rank_slices(name, src.shape, tp, expert_parallel, ep_all_to_all),
+                name,
             )
             seen.add(name)
         reader.close()

@@ -7,7 +7,8 @@ by the rules of `dsv4_shard`, so TP=N starts from exactly the weights of TP=1:
   compressors and norms stay whole (every rank computes them identically).
 - indexer: this rank's index heads (q_b_proj, weights_proj); scores are summed before top-k.
 - MoE: the router stays whole; the shared expert is column/row split; routed experts are split by
-  their intermediate dim, or with expert parallel by expert (ranks hold E/N experts each).
+  their intermediate dim, or with expert parallel by expert (ranks hold E/N experts each). With
+  all-to-all dispatch (`ep_all_to_all`) each rank runs the shared expert on its own tokens: whole.
 - embedding and LM head: ceil(V/N) vocabulary rows per rank (zero padded), as dense models do.
 - mHC and the final norm: whole.
 """
@@ -27,7 +28,9 @@ VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 @torch.no_grad()
-def shard_model(model: nn.Module, tp: TPGroup, expert_parallel: bool = False) -> None:
+def shard_model(
+    model: nn.Module, tp: TPGroup, expert_parallel: bool = False, ep_all_to_all: bool = False
+) -> None:
     """Keep only rank `tp.rank`'s part of `model` (a DeepseekV4ForCausalLM) and give its layers
     the group to reduce over. World 1 leaves the model as it is."""
     if not tp.is_parallel:
@@ -36,7 +39,7 @@ def shard_model(model: nn.Module, tp: TPGroup, expert_parallel: bool = False) ->
     for name, p in list(model.named_parameters()):
         if ".mlp.experts." in name or name in VOCAB:
             continue  # cut below: by the MoE's mode; by vocabulary rows
-        part = take(p, shard_slices(name, tuple(p.shape), tp.rank, tp.world))
+        part = take(p, rank_slices(name, tuple(p.shape), tp, expert_parallel, ep_all_to_all))
         if part.shape != p.shape:
             _replace(model, name, part)
     for m in model.modules():
@@ -44,12 +47,17 @@ def shard_model(model: nn.Module, tp: TPGroup, expert_parallel: bool = False) ->
             _attention(m, tp)
         elif isinstance(m, MoE):
             _moe(m, tp, expert_parallel, c.n_routed_experts)
+            m.all_to_all = ep_all_to_all
     _vocab(model, tp)
     model.tp = tp
 
 
 def rank_slices(
-    name: str, shape: tuple[int, ...], tp: TPGroup, expert_parallel: bool
+    name: str,
+    shape: tuple[int, ...],
+    tp: TPGroup,
+    expert_parallel: bool,
+    ep_all_to_all: bool = False,
 ) -> list[Slice]:
     """The slices of the whole tensor `name` (model name) that `shard_model` keeps on this rank;
     [] means all of it. A vocabulary table's rank holds more rows than it reads at the tail:
@@ -60,6 +68,8 @@ def rank_slices(
     owner, _, leaf = name.rpartition(".")
     if owner.endswith(".mlp.experts"):
         return expert_slices(leaf, shape, tp, expert_parallel)
+    if ep_all_to_all and ".mlp.shared_experts." in name:
+        return []  # each rank runs the whole shared expert on the tokens it owns
     return shard_slices(name, shape, tp.rank, tp.world)
 
 

@@ -1,6 +1,9 @@
-"""DeepSeek-V4 PD with a tensor-parallel prefill side: prefill TP=2 with expert parallel (two
-gloo ranks; rank 0 sends the cache, which every rank holds whole) and decode TP=1 == one single
-TP=1 server.
+"""DeepSeek-V4 PD with tensor parallel on either side == one single TP=1 server: prefill TP=2
+with expert parallel (two gloo ranks; rank 0 sends the cache, which every rank holds whole) to
+decode TP=1, prefill TP=1 to decode TP=2 (decode's rank 0 receives and hands each piece to rank
+1: engine/tp_install.py), and prefill TP=2 + EP to decode TP=2. One decode TP=2 server (with
+expert parallel and all-to-all token dispatch: the served path of `--ep-dispatch all-to-all`)
+and two prefill servers serve the three pairs, each through a router of its own.
 
 The trained dsv4-tiny-agent (real weights, peaked logits, no QAT simulation) in float32 on the
 CPU; prefill runs 22-token chunks, so chunks end mid-window. Greedy text must be identical;
@@ -15,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import ServerProcess
 from openai_calls import assert_same_outputs, run_specs
-from pd_stack import PD_SECRET, PDStack, engine_threads
+from pd_stack import PD_SECRET, PDStack, RouterProcess, engine_threads
 
 AGENT = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "dsv4-tiny-agent"
 pytestmark = pytest.mark.skipif(not (AGENT / "config.json").is_file(), reason=f"no {AGENT}")
@@ -23,6 +26,7 @@ MODEL = "dsv4-tiny-agent"
 SERVE = ("--model", str(AGENT), "--served-model-name", MODEL, "--device", "cpu")
 SERVE += ("--dtype", "float32")
 PREFILL = ("--max-num-batched-tokens", "22", "--tensor-parallel-size", "2", "--expert-parallel")
+DECODE_TP2 = ("--tensor-parallel-size", "2", "--expert-parallel", "--ep-dispatch", "all-to-all")
 STORY = (
     "The old lighthouse keeper climbed the spiral stairs every evening, counting the steps, "
     "listening to the sea, and writing the weather into a leather notebook. "
@@ -31,18 +35,26 @@ STORY = (
 
 @pytest.fixture(scope="module")
 def stacks():
-    with engine_threads(), ThreadPoolExecutor(2) as ex:
+    """The single server, the PD stack (prefill TP=2 + EP, decode TP=1), and routers from its
+    prefill and from a TP=1 prefill to a TP=2 + EP (all-to-all) decode: {pair name: its router}."""
+    pd_common = (*SERVE, "--max-total-tokens", "4096", "--pd-secret", PD_SECRET)
+    with engine_threads(), ThreadPoolExecutor(4) as ex:
         fs = ex.submit(ServerProcess, *SERVE, "--max-total-tokens", "4096")
-        fp = ex.submit(
-            PDStack,
-            prefill_args=PREFILL,
-            max_total_tokens=4096,
-            model=SERVE,
+        fp = ex.submit(PDStack, prefill_args=PREFILL, max_total_tokens=4096, model=SERVE)
+        fd2 = ex.submit(ServerProcess, *pd_common, "--role", "decode", *DECODE_TP2)
+        fp1 = ex.submit(
+            ServerProcess, *pd_common, "--role", "prefill", "--max-num-batched-tokens", "22"
         )
+    futures, routers = (fs, fp, fd2, fp1), []
     try:
-        yield fs.result(), fp.result()
+        single, pd, d2, p1 = (f.result() for f in futures)
+        for p in (p1, pd.prefill):
+            routers.append(RouterProcess([p.url], [d2.url], "--pd-secret", PD_SECRET))
+        yield single, pd, {"p2ep-d1": pd.router, "p1-d2": routers[0], "p2ep-d2": routers[1]}
     finally:
-        for f in (fs, fp):
+        for r in routers:
+            r.close()
+        for f in futures:
             if f.exception() is None:
                 f.result().close()
 
@@ -67,20 +79,18 @@ def _specs() -> list[dict]:
     return specs
 
 
-def test_pd_with_tp2_prefill_matches_single_server(stacks):
-    single, pd = stacks
+_want: list[dict] = []  # the single server's answers, asked once
+
+
+@pytest.mark.parametrize("pair", ["p2ep-d1", "p1-d2", "p2ep-d2"])
+def test_pd_with_tp_matches_single_server(stacks, pair: str):
+    single, pd, routers = stacks
     specs = _specs()
-    want = run_specs(single.url, MODEL, specs)
-    got = run_specs(pd.router.url, MODEL, specs)
-    assert_same_outputs(specs, want, got, rel=1e-4, abs=1e-4)
-    assert all(r["text"] for r in want)
-    pd.wait_idle()
-    assert pd.router.metric("kvrelay_router_requests_total", '{outcome="error"}') == 0
-
-
-def test_decode_role_refuses_tp():
-    """A TP decode side would have to install received rows on every rank: refused at startup."""
-    with pytest.raises(Exception, match="single and prefill roles only"):
-        ServerProcess(
-            *SERVE, "--role", "decode", "--tensor-parallel-size", "2", "--pd-secret", PD_SECRET
-        )
+    if not _want:
+        _want.extend(run_specs(single.url, MODEL, specs))
+    got = run_specs(routers[pair].url, MODEL, specs)
+    assert_same_outputs(specs, _want, got, rel=1e-4, abs=1e-4)
+    assert all(r["text"] for r in _want)
+    if pair == "p2ep-d1":
+        pd.wait_idle()
+    assert routers[pair].metric("kvrelay_router_requests_total", '{outcome="error"}') == 0

@@ -98,3 +98,23 @@ def test_row_range(ratio, keep_last, start, end, n, rows):
     t = torch.zeros(4, 16 // ratio, 2)
     kind = CacheKind("x", t, PAGE, 0, ratio=ratio, keep_last=keep_last)
     assert kind.row_range(start, end, n) == rows
+
+
+def test_sharded_kind_describes_whole_rows_and_installs_its_heads():
+    """A dense TP rank's kinds hold their KV-head shard: the layout (what prefill matches) names
+    the whole row, a whole row travels, and each rank keeps its part; sending is refused."""
+    from kvrelay.disagg.pieces import gather_rows, scatter
+
+    whole = CacheKind("L0.k", torch.zeros(3, 4, 6, 2), PAGE, 0)  # 6 kv heads of dim 2
+    shards = [CacheKind("L0.k", torch.zeros(3, 4, 3, 2), PAGE, 0, shard=(r, 2)) for r in (0, 1)]
+    assert all(s.describe() == whole.describe() for s in shards)
+    assert shards[0].row_bytes == whole.row_bytes
+    rows = torch.tensor([5, 6])  # page 1, slots 1 and 2
+    payload = torch.arange(2 * 12, dtype=torch.float32).view(torch.uint8)
+    for k in (whole, *shards):
+        scatter([k], [rows], payload)
+    got = whole.tensor[1, 1:3]
+    assert torch.equal(torch.cat([s.tensor[1, 1:3] for s in shards], dim=1), got)
+    assert torch.equal(got.flatten(), torch.arange(24, dtype=torch.float32))
+    with pytest.raises(ValueError, match="cannot be sent whole"):
+        gather_rows(shards[:1], [rows])

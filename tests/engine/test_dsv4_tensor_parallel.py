@@ -55,7 +55,9 @@ def _prompts(model: str) -> list[list[int]]:
     return [tok(encode_messages(c, None), add_special_tokens=False).input_ids for c in chats]
 
 
-def _config(model: str, tp: int, ep: bool = False, backend: str = "auto") -> EngineConfig:
+def _config(
+    model: str, tp: int, ep: bool = False, backend: str = "auto", dispatch: str = "all-reduce"
+) -> EngineConfig:
     return EngineConfig(
         model=model,
         load_format="dummy" if model == "dsv4-tiny" else "auto",
@@ -64,6 +66,7 @@ def _config(model: str, tp: int, ep: bool = False, backend: str = "auto") -> Eng
         attention_backend=backend,
         tensor_parallel_size=tp,
         expert_parallel=ep,
+        ep_dispatch=dispatch,
         cache=CacheConfig(max_total_tokens=2048),
     )
 
@@ -145,8 +148,10 @@ def single(model: str, backend: str) -> tuple[torch.Tensor, list[list[int]]]:
     return _single[model, backend]
 
 
-def check_tp2(model: str, ep: bool, backend: str = "auto", atol: float = 1e-4) -> None:
-    logits, tokens = run_ranks(_config(model, 2, ep, backend))
+def check_tp2(
+    model: str, ep: bool, backend: str = "auto", atol: float = 1e-4, dispatch: str = "all-reduce"
+) -> None:
+    logits, tokens = run_ranks(_config(model, 2, ep, backend, dispatch))
     want_logits, want_tokens = single(model, backend)
     assert logits.shape == want_logits.shape
     torch.testing.assert_close(logits, want_logits, atol=atol, rtol=1e-4)
@@ -155,10 +160,17 @@ def check_tp2(model: str, ep: bool, backend: str = "auto", atol: float = 1e-4) -
 
 
 @pytest.mark.parametrize(
-    "ep,backend", [(False, "auto"), (True, "auto"), (False, "reference")], ids=str
+    "ep,backend,dispatch",
+    [
+        (False, "auto", "all-reduce"),
+        (True, "auto", "all-reduce"),
+        (True, "auto", "all-to-all"),  # each rank's tokens to their experts' ranks and back
+        (False, "reference", "all-reduce"),
+    ],
+    ids=str,
 )
-def test_tp2_matches_tp1(ep: bool, backend: str):
-    check_tp2("dsv4-tiny", ep, backend)
+def test_tp2_matches_tp1(ep: bool, backend: str, dispatch: str):
+    check_tp2("dsv4-tiny", ep, backend, dispatch=dispatch)
 
 
 @pytest.mark.skipif(not (AGENT / "config.json").is_file(), reason=f"no model at {AGENT}")

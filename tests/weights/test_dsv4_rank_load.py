@@ -153,3 +153,20 @@ def _check_reads(read, sizes, rules, rank: int, ep: bool, path: str) -> None:
 
 
 _ITEM = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1}
+
+
+def test_rank_load_for_all_to_all_dispatch_keeps_the_shared_expert_whole(dirs) -> None:
+    """`--ep-dispatch all-to-all`: each rank runs the shared expert on its own tokens."""
+    from kvrelay.models.deepseek_v4.moe import MoE
+
+    path = dirs["hf"]
+    got = load_rank(path, resolve(path).config, torch.float32, CPU, TPGroup(1, 2), True,
+                    ep_all_to_all=True)  # fmt: skip
+    whole = build_model(resolve(path), torch.float32, CPU)
+    shared = whole.model.layers[0].mlp.shared_experts.down_proj.weight.clone()
+    shard_model(whole, TPGroup(1, 2), True, True)
+    want = whole.state_dict()
+    for name, t in got.state_dict().items():
+        assert torch.equal(t, want[name]), name
+    assert torch.equal(got.model.layers[0].mlp.shared_experts.down_proj.weight, shared)
+    assert all(m.all_to_all for m in got.modules() if isinstance(m, MoE))

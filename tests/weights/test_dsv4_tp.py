@@ -71,7 +71,7 @@ def test_rank_holds_its_slices(ep: bool):
     assert torch.equal(part.lm_head.weight, full.lm_head.weight[128:])
 
 
-def _moe_rank(rank: int, port: int, ep: bool, experts: str, results) -> None:
+def _moe_rank(rank: int, port: int, mode: str, experts: str, results) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -80,7 +80,7 @@ def _moe_rank(rank: int, port: int, ep: bool, experts: str, results) -> None:
     init_distributed(rank, 2, "127.0.0.1", port, "cpu")
     try:
         model = _model(experts)
-        shard_model(model, TPGroup.from_default(2), expert_parallel=ep)
+        shard_model(model, TPGroup.from_default(2), mode != "tp2", mode == "ep2-all-to-all")
         x, ids = _moe_input()
         with torch.no_grad():  # layer 0 is hash-routed, layer 2 bias-routed
             outs = [model.model.layers[i].mlp(x, ids).numpy() for i in (0, 2)]
@@ -92,22 +92,25 @@ def _moe_rank(rank: int, port: int, ep: bool, experts: str, results) -> None:
 
 def _moe_input() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(96, CFG.hidden_size, generator=g)
-    return x, torch.randint(0, CFG.vocab_size, (96,), generator=g)
+    x = torch.randn(97, CFG.hidden_size, generator=g)  # odd: all-to-all ranks own 48 and 49
+    return x, torch.randint(0, CFG.vocab_size, (97,), generator=g)
 
 
 @pytest.mark.parametrize("experts", ["dense", "nvfp4"])
-@pytest.mark.parametrize("ep", [True, False], ids=["ep2", "tp2"])
-def test_moe_over_two_ranks_matches_one(ep: bool, experts: str):
+@pytest.mark.parametrize("mode", ["ep2", "tp2", "ep2-all-to-all"])
+def test_moe_over_two_ranks_matches_one(mode: str, experts: str):
     """The MoE alone, hash- and bias-routed, dense or packed NVFP4 experts (cut by packed
-    bytes and scale blocks): two ranks' partial outputs summed == one rank, with tokens routed
+    bytes and scale blocks): two ranks' partial outputs summed (or, all-to-all, each rank's
+    tokens sent to their experts' ranks and back, then gathered) == one rank, with tokens routed
     to both ranks' experts."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_moe_rank, args=(r, port, ep, experts, results)) for r in range(2)]
+    procs = [
+        ctx.Process(target=_moe_rank, args=(r, port, mode, experts, results)) for r in range(2)
+    ]
     for p in procs:
         p.start()
     try:
@@ -137,7 +140,7 @@ def test_moe_over_two_ranks_matches_one(ep: bool, experts: str):
         ({"attention_backend": "triton"}, "CPU"),
         ({"linear_weights": "fp8"}, "linear-weights fp8"),
         ({"tensor_parallel_size": 1, "expert_parallel": True}, "expert-parallel needs"),
-        ({"role": "decode"}, "single and prefill roles only"),
+        ({"ep_dispatch": "all-to-all"}, "ep-dispatch all-to-all needs --expert-parallel"),
     ],
 )
 def test_unsupported_combinations_are_refused(changes, match):
@@ -155,5 +158,5 @@ def test_expert_parallel_is_refused_for_dense_models():
 
     src = ModelSource("qwen3-tiny", "dummy", None, registry.preset("qwen3-tiny")[1], "", None)
     cfg = EngineConfig(load_format="dummy", device="cpu", expert_parallel=True)
-    with pytest.raises(ValueError, match="expert-parallel is for DeepSeek-V4"):
+    with pytest.raises(ValueError, match="are for DeepSeek-V4"):
         ModelRunner(cfg, src)

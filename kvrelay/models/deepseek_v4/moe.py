@@ -116,12 +116,15 @@ class MoE(nn.Module):
         # experts first..first+count-1. Either way the output is a partial sum over ranks.
         self.tp = SINGLE
         self.local_experts: tuple[int, int] | None = None  # (first, count) under EP
+        self.all_to_all = False  # EP: each rank's tokens go to their experts' ranks and back
 
     def forward(
         self, x: torch.Tensor, input_ids: torch.Tensor, experts_fn: Callable | None = None
     ) -> torch.Tensor:
         """`experts_fn(x, weights, idx, experts)`, if given, computes the routed experts (the
         fused kernel: no host sync); else their torch forward."""
+        if self.all_to_all:
+            return self._forward_all_to_all(x, input_ids, experts_fn)
         weights, idx = self.gate(x, input_ids)  # every rank routes identically
         if self.local_experts is not None:
             idx = local_expert_ids(idx, *self.local_experts)
@@ -136,6 +139,26 @@ class MoE(nn.Module):
         # gloo sums in a fixed order, so every rank gets the same bits (not TP=1's: another
         # association of the same float32 terms).
         return self.tp.all_reduce(routed + wide(shared)).to(shared.dtype)
+
+    def _forward_all_to_all(
+        self, x: torch.Tensor, input_ids: torch.Tensor, experts_fn: Callable | None
+    ) -> torch.Tensor:
+        """`--ep-dispatch all-to-all` (ep_dispatch.py): this rank routes the rows it owns, sends
+        them to their experts' ranks and back, adds its whole shared expert, all-gathers."""
+        from kvrelay.models.deepseek_v4 import ep_dispatch as ep
+
+        lo, hi = ep.own_rows(x.shape[0], self.tp)
+        mine = x[lo:hi]
+        weights, idx = self.gate(mine, input_ids[lo:hi])
+
+        def compute(xr: torch.Tensor, wr: torch.Tensor, ir: torch.Tensor) -> torch.Tensor:
+            if experts_fn is not None:
+                return experts_fn(xr, wr, ir, self.experts)
+            return self.experts(xr, wr, ir)
+
+        count = self.local_experts[1]
+        routed = ep.dispatch_combine(mine, weights, idx, count, self.tp, compute)
+        return ep.gather_rows(add_wide(routed, self.shared_experts(mine)), x.shape[0], self.tp)
 
 
 def local_expert_ids(idx: torch.Tensor, first: int, count: int) -> torch.Tensor:

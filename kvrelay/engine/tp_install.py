@@ -1,0 +1,76 @@
+"""A PD decode server with tensor parallel: rank 0 receives each KV piece from prefill and hands
+it to every rank, which installs it into its own pool.
+
+Only rank 0 talks to prefill (its receiver checks the piece: identity, size, checksum). It then
+broadcasts the facts the rows derive from (cache kinds, pages, slot, token range, prompt length)
+and the payload, between two steps, on the same channel as the steps (a header of kind INSTALL),
+so every rank sees installs and forwards in the same order. Each rank computes the rows from its
+own cache kinds: DeepSeek-V4's pools are the whole cache on every rank; a dense rank's kinds keep
+only its KV-head shard of each row (`CacheKind.shard`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvrelay.disagg.layout import CacheKind
+from kvrelay.disagg.pieces import piece_rows, scatter
+from kvrelay.layers.parallel import TPGroup
+
+INSTALL = 2  # a step header kind (STOP = 0, STEP = 1 in tp_step and dsv4_step)
+
+
+@dataclass(frozen=True)
+class InstallPiece:
+    """A verified payload and the facts its rows derive from (`piece_rows`)."""
+
+    kinds: list[int]  # indices into the runner's transfer_layout()
+    pages: list[int]
+    slot: int
+    start: int
+    end: int
+    prompt_len: int
+    payload: memoryview | torch.Tensor | None  # None: every row range is empty
+
+
+def install(kinds: list[CacheKind], page_size: int, p: InstallPiece) -> None:
+    """Install the piece into this rank's pools."""
+    ks = [kinds[i] for i in p.kinds]
+    scatter(ks, piece_rows(ks, p.pages, p.slot, page_size, p.start, p.end, p.prompt_len), p.payload)
+
+
+def install_everywhere(
+    tp: TPGroup, device: torch.device, header_len: int, kinds: list[CacheKind], page_size: int,
+    p: InstallPiece,
+) -> None:  # fmt: skip
+    """Rank 0: hand the piece to the other ranks (if any), then install it here."""
+    if tp.is_parallel:
+        _send(tp, device, header_len, p)
+    install(kinds, page_size, p)
+
+
+def _send(tp: TPGroup, device: torch.device, header_len: int, p: InstallPiece) -> None:
+    facts = [p.slot, p.start, p.end, p.prompt_len, len(p.kinds), *p.kinds, *p.pages]
+    nbytes = 0 if p.payload is None else p.payload.nbytes
+    head = [INSTALL, len(facts), nbytes] + [0] * (header_len - 3)
+    tp.broadcast(torch.tensor(head, dtype=torch.int64, device=device))
+    tp.broadcast(torch.tensor(facts, dtype=torch.int64, device=device))
+    if nbytes:
+        buf = p.payload
+        if not isinstance(buf, torch.Tensor):
+            buf = torch.frombuffer(buf, dtype=torch.uint8)
+        tp.broadcast(buf.to(device))
+
+
+def recv(tp: TPGroup, device: torch.device, head: list[int]) -> InstallPiece:
+    """A follower, after a header of kind INSTALL: the piece rank 0 sent."""
+    _, n_facts, nbytes = head[:3]
+    facts = tp.broadcast(torch.empty(n_facts, dtype=torch.int64, device=device)).tolist()
+    slot, start, end, prompt_len, n_kinds = facts[:5]
+    kinds, pages = facts[5 : 5 + n_kinds], facts[5 + n_kinds :]
+    payload = None
+    if nbytes:
+        payload = tp.broadcast(torch.empty(nbytes, dtype=torch.uint8, device=device))
+    return InstallPiece(kinds, pages, slot, start, end, prompt_len, payload)
