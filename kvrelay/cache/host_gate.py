@@ -87,7 +87,8 @@ class HostTierGate:
         }
         self.device = device
         self.delay: Callable[[], None] | None = None  # test hook: runs inside each kind's copy
-        self.trace: list[tuple[str, str]] | None = None  # test hook: ("in"/"out", kind), ("open", "")
+        # Test hook: ("in" | "out", kind) per kind copied, ("open", "") when the gate opens.
+        self.trace: list[tuple[str, str]] | None = None
         if device.type == "cuda":
             self._stream = torch.cuda.Stream(device)
             self._event: torch.cuda.Event | None = None
@@ -138,6 +139,13 @@ class HostTierGate:
         if prev is not None:
             prev.result()  # one worker runs them in order already; this passes a failure on
         self._copy(way, pairs)
+
+    @property
+    def pending(self) -> bool:
+        """Copies were issued that no `wait()` has covered yet."""
+        if self.device.type == "cuda":
+            return self._event is not None
+        return self._pending is not None
 
     def wait(self) -> None:
         """The gate: every copy issued so far is complete (CPU) or ordered before whatever the

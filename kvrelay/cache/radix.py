@@ -165,6 +165,8 @@ class RadixCache:
         freed, pairs = 0, []
         while heap and freed < num_pages:
             _, _, node = heapq.heappop(heap)
+            if node not in self._leaves:  # stale: no longer evictable
+                continue
             page, parent = node.page, node.parent
             slot = self._host_slot() if offload else 0
             if slot:

@@ -18,7 +18,8 @@ computes only the rest. A request hands the full pages of its prompt to the cach
 step computed them (it keeps its reference and locks them: requests admitted meanwhile share them,
 e.g. conversations sharing a system prompt), and the rest of its full computed pages when it ends
 (or is preempted). Pages held by the cache alone count as available: the cache evicts its least
-recently used ones before the scheduler preempts or refuses anything. The n samples of one prompt
+recently used ones before the scheduler preempts or refuses anything (to host memory, with a
+host tier: a later match loads them back; radix.py, host_tier.py). The n samples of one prompt
 (a request `group`) wait until the first one's prompt is cached, then share it (siblings.py).
 """
 

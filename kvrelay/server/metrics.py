@@ -69,7 +69,9 @@ class Metrics:
             "kvrelay_prefix_cache_pages", "KV pages the prefix cache holds", registry=r
         )
         self.host_pages = Gauge(
-            "kvrelay_prefix_cache_host_pages", "pages the prefix cache's host tier holds", registry=r
+            "kvrelay_prefix_cache_host_pages",
+            "pages the prefix cache's host tier holds",
+            registry=r,
         )
         self.requests = Counter(
             "kvrelay_requests", "finished requests by finish reason", ["finish_reason"], registry=r

@@ -100,8 +100,9 @@ def _check_round_trips(engine: Engine, results) -> None:
 
 @pytest.fixture(scope="module")
 def smol_runs() -> dict:
-    on = smol(host_pages=24)
-    runs = {"engine": on, "on": workload(on), "off": workload(smol(prefix_cache=False))}
+    on, off = smol(host_pages=24), smol(host_pages=24, prefix_cache=False)
+    assert off.host_tier is None  # --disable-prefix-cache turns the host tier off too
+    runs = {"engine": on, "on": workload(on), "off": workload(off)}
     _check_round_trips(on, runs["on"])  # flushes: the engine is as new again
     return runs
 
@@ -117,15 +118,21 @@ def test_dsv4_hits_through_host_memory_equal_cache_off() -> None:
     _check_round_trips(on, got)
 
 
-def test_delayed_copies_give_bitwise_the_same_outputs(smol_runs) -> None:
+def test_delayed_copies_give_bitwise_the_same_outputs(smol_runs, monkeypatch) -> None:
     """The gate's copies (on its worker thread) sleep at random before each cache kind: a
-    forward that read the pool before they landed would see stale or zero pages."""
+    forward that read the pool before they landed would see stale or reused pages (without the
+    engine's wait most requests differ). And no forward starts with a copy outstanding."""
     engine = smol_runs["engine"]
-    loaded = engine.host_tier.loaded
+    gate, loaded = engine.host_tier.gate, engine.host_tier.loaded
     rng = random.Random(0)
-    engine.host_tier.gate.delay = lambda: time.sleep(rng.choice((0, 0, 0, 0.0005, 0.002)))
-    try:
-        assert workload(engine) == smol_runs["on"]  # tokens, logprobs and cached tokens
-    finally:
-        engine.host_tier.gate.delay = None
+    monkeypatch.setattr(gate, "delay", lambda: time.sleep(rng.choice((0, 0, 0, 5e-4, 2e-3))))
+    forward, outstanding = engine.runner.forward_step, []
+
+    def checked_forward(*args, **kw):
+        outstanding.append(gate.pending)
+        return forward(*args, **kw)
+
+    monkeypatch.setattr(engine.runner, "forward_step", checked_forward)
+    assert workload(engine) == smol_runs["on"]  # tokens, logprobs and cached tokens
     assert engine.host_tier.loaded > loaded
+    assert outstanding and not any(outstanding)
