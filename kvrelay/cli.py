@@ -127,6 +127,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "uses it)",
     )
     g.add_argument(
+        "--host-cache-gb",
+        type=float,
+        default=c.host_cache_gb,
+        help="GiB of host memory (pinned on CUDA) that keeps prefix-cache pages evicted from the "
+        "device, loaded back on a later hit (0: off, evicted pages are dropped; off with "
+        "--disable-prefix-cache and with tensor parallel)",
+    )
+    g.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=s.max_num_batched_tokens,
@@ -323,6 +331,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
             memory_fraction=a.memory_fraction,
             index_k_dtype=a.index_k_dtype,
             prefix_cache=not a.disable_prefix_cache,
+            host_cache_gb=a.host_cache_gb,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=a.max_num_batched_tokens,

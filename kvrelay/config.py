@@ -49,6 +49,8 @@ class CacheConfig:
     index_k_dtype: str = "auto"  # DeepSeek-V4 index keys: auto (model dtype) | fp8 (+ row scale)
     # Radix prefix cache over token ids (off on PD decode).
     prefix_cache: bool = True
+    # GiB of host memory for prefix pages evicted from the device (0: evicted pages are dropped).
+    host_cache_gb: float = 0.0
 
 
 @dataclass(frozen=True)

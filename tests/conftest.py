@@ -165,10 +165,11 @@ class SharedServers:
 
 
 # SmolLM2 float32 servers that several served modules use (through `shared_servers`): a small
-# pool (40 pages of 16, the prefix cache evicts under a few concurrent requests) and a roomy one
-# without the prefix cache; both with a 256-token step budget (chunked prefill).
+# pool (40 pages of 16, the prefix cache evicts under a few concurrent requests, to a host tier
+# of 72 pages: 0.05 GiB) and a roomy one without the prefix cache; both with a 256-token step
+# budget (chunked prefill).
 SMOLLM2_F32 = ("--model", "smollm2", "--dtype", "float32", "--max-num-batched-tokens", "256")
-SMOLLM2_F32_SMALL_POOL = (*SMOLLM2_F32, "--max-total-tokens", "640")
+SMOLLM2_F32_SMALL_POOL = (*SMOLLM2_F32, "--max-total-tokens", "640", "--host-cache-gb", "0.05")
 SMOLLM2_F32_NO_CACHE = (*SMOLLM2_F32, "--max-total-tokens", "16384", "--disable-prefix-cache")
 
 

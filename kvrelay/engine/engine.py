@@ -9,6 +9,7 @@ import time
 import msgspec
 import torch
 
+from kvrelay.cache.host_tier import HostTier, build_host_tier
 from kvrelay.config import EngineConfig
 from kvrelay.engine import grammar as grammar_mod
 from kvrelay.engine.grammar import GrammarBackend, GrammarError
@@ -31,10 +32,12 @@ class Engine:
         self.runner = make_runner(cfg, self.src)
         r = self.runner
         self.prefix_cache = self._prefix_cache_choice()
+        self.host_tier, host = self._host_tier_choice()
         self.scheduler = Scheduler(
-            cfg.scheduler, r.num_pages, r.page_size, r.num_state_slots, self.prefix_cache == "on"
-        )
-        log.info("prefix_cache=%s role=%s", self.prefix_cache, cfg.role)
+            cfg.scheduler, r.num_pages, r.page_size, r.num_state_slots,
+            self.prefix_cache == "on", self.host_tier,
+        )  # fmt: skip
+        log.info("prefix_cache=%s host_tier=%s role=%s", self.prefix_cache, host, cfg.role)
         self.eos_ids = set(self.src.config.eos_token_ids)
         self.grammar = GrammarBackend(
             self.src, self.src.config.vocab_size, sorted(self.eos_ids)
@@ -70,6 +73,15 @@ class Engine:
             # last shared page on rank 0 only; the other ranks' slots would miss it.
             return "off (per-request state with tensor parallel)"
         return "on"
+
+    def _host_tier_choice(self) -> tuple[HostTier | None, str]:
+        """The prefix cache's host tier, or None; and what was decided."""
+        if self.prefix_cache != "on":
+            return None, "off (no prefix cache)"
+        if self.cfg.tensor_parallel_size > 1:  # rank 0 alone would move its pages
+            return None, "off (tensor parallel)"
+        pool = self.runner.cache if hasattr(self.runner, "cache") else self.runner.kv
+        return build_host_tier(pool, self.cfg.cache.host_cache_gb, self.runner.device)
 
     @property
     def max_model_len(self) -> int:
@@ -185,6 +197,7 @@ class Engine:
                 "hit_tokens": prefix.hit_tokens,
                 "evicted_pages": prefix.evicted_pages,
                 "cached_pages": prefix.num_pages,
+                **(self.host_tier.stats() if self.host_tier is not None else {}),
             },
         )
 
@@ -211,6 +224,8 @@ class Engine:
                 raise RuntimeError(
                     "CUDA error: an illegal memory access was encountered (test fault)"
                 )
+            if self.host_tier is not None:  # the gate: host-tier copies land before any read
+                self.host_tier.gate.wait()
             step = self.runner.forward_step(batch, profile)
             sampling = [s.req for s in batch if s.samples]
             result = sample(
@@ -305,10 +320,10 @@ class Engine:
         self.scheduler.check_integrity()
 
     def flush_prefix_cache(self) -> int:
-        """Evict every page only the prefix cache holds; returns how many (tests: an idle engine
-        then holds no page at all)."""
+        """Evict every page only the prefix cache holds, host tier included; returns how many
+        device pages (tests: an idle engine then holds no page at all)."""
         prefix = self.scheduler.prefix
-        return 0 if prefix is None else prefix.evict(prefix.num_evictable)
+        return 0 if prefix is None else prefix.flush()
 
 
 def generate(

@@ -97,7 +97,8 @@ class EngineStats(msgspec.Struct):
     # PD roles: (side, phase, seconds) of the transfers finished since the previous stats
     pd_timings: list[tuple[str, str, float]] | None = None
     # Prefix cache totals since start (None: no prefix cache): query_tokens, hit_tokens,
-    # evicted_pages; and cached_pages, the pages it holds now.
+    # evicted_pages; and cached_pages, the pages it holds now. With a host tier also
+    # host_offloaded_pages, host_loaded_pages, host_evicted_pages totals and host_pages now.
     prefix_cache: dict[str, int] | None = None
 
 

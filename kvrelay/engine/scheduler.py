@@ -18,7 +18,8 @@ computes only the rest. A request hands the full pages of its prompt to the cach
 step computed them (it keeps its reference and locks them: requests admitted meanwhile share them,
 e.g. conversations sharing a system prompt), and the rest of its full computed pages when it ends
 (or is preempted). Pages held by the cache alone count as available: the cache evicts its least
-recently used ones before the scheduler preempts or refuses anything. The n samples of one prompt
+recently used ones before the scheduler preempts or refuses anything (to host memory, with a
+host tier: a later match loads them back; radix.py, host_tier.py). The n samples of one prompt
 (a request `group`) wait until the first one's prompt is cached, then share it (siblings.py).
 """
 
@@ -28,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvrelay.cache.block_pool import BlockPool, OutOfPages
+from kvrelay.cache.host_tier import HostTier
 from kvrelay.cache.paging import pages_for
 from kvrelay.cache.radix import RadixCache
 from kvrelay.config import SchedulerConfig
@@ -64,13 +66,15 @@ class Scheduler:
         page_size: int,
         num_state_slots: int = 0,
         prefix_cache: bool = False,
+        host_tier: HostTier | None = None,
     ) -> None:
         self.cfg, self.page_size = cfg, page_size
         self.page_pool = BlockPool(num_pages, "page")
         # Per-request state slots (one per running request) for models that keep state outside
         # the pages; sized max_running_requests + 1, so admission never runs out.
         self.slot_pool = BlockPool(num_state_slots, "state slot") if num_state_slots else None
-        self.prefix = RadixCache(page_size, self.page_pool) if prefix_cache else None
+        # The host tier (host_tier.py) keeps what the prefix cache evicts, for later hits.
+        self.prefix = RadixCache(page_size, self.page_pool, host_tier) if prefix_cache else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.reserved: list[Request] = []  # KV held for transfers still arriving (PD decode)

@@ -46,12 +46,32 @@ class Metrics:
             "KV pages the prefix cache evicted to make room",
             registry=r,
         )
+        self.host_offloaded = Counter(
+            "kvrelay_prefix_cache_host_offloaded_pages",
+            "prefix-cache pages evicted from the device into the host tier",
+            registry=r,
+        )
+        self.host_loaded = Counter(
+            "kvrelay_prefix_cache_host_loaded_pages",
+            "prefix-cache pages loaded back from the host tier for a hit",
+            registry=r,
+        )
+        self.host_evicted = Counter(
+            "kvrelay_prefix_cache_host_evicted_pages",
+            "prefix-cache pages the host tier dropped to make room",
+            registry=r,
+        )
         self._prefix_seen: dict[str, int] = {}
         self.prefix_hit_rate = Gauge(
             "kvrelay_prefix_cache_hit_rate", "prefix cache hit tokens / query tokens", registry=r
         )
         self.prefix_pages = Gauge(
             "kvrelay_prefix_cache_pages", "KV pages the prefix cache holds", registry=r
+        )
+        self.host_pages = Gauge(
+            "kvrelay_prefix_cache_host_pages",
+            "pages the prefix cache's host tier holds",
+            registry=r,
         )
         self.requests = Counter(
             "kvrelay_requests", "finished requests by finish reason", ["finish_reason"], registry=r
@@ -135,8 +155,12 @@ class Metrics:
                 ("query_tokens", self.prefix_query_tokens),
                 ("hit_tokens", self.prefix_hit_tokens),
                 ("evicted_pages", self.prefix_evictions),
+                ("host_offloaded_pages", self.host_offloaded),
+                ("host_loaded_pages", self.host_loaded),
+                ("host_evicted_pages", self.host_evicted),
             ):
-                _add_new(counter, self._prefix_seen, name, p[name])
+                _add_new(counter, self._prefix_seen, name, p.get(name, 0))
+            self.host_pages.set(p.get("host_pages", 0))
             self.prefix_hit_rate.set(p["hit_tokens"] / max(p["query_tokens"], 1))
             self.prefix_pages.set(p["cached_pages"])
         for side, phase, seconds in s.pd_timings or ():

@@ -1,12 +1,15 @@
 """Property tests of the scheduler's block pool + radix prefix cache under random sequences of
 requests (sharing prefixes), n samples of one prompt (a group: the others wait for the first's
 prefill), engine steps, aborts (held samples too), preemptions (a small pool), evictions, PD
-reservations and fenced transfers. No model: a simulated KV records which token each page slot
-holds, so a request that attends to a shared page is checked to see the right tokens there.
+reservations and fenced transfers; with or without a host tier (evictions offload, hits load
+back, the host tier evicts too). No model: a simulated KV records which token each page slot
+holds (and a simulated gate moves those records to host slots and back, in order, when a step
+passes it), so a request that attends to a shared page is checked to see the right tokens there.
 
-After every operation: refcounts agree with the owners (requests, fences, the tree); a page a
-request may still write is its own alone; and when everything has ended and the cache is
-flushed, every page is free."""
+After every operation: refcounts agree with the owners (requests, fences, the tree); host slots
+are held by the tree's host nodes alone, each once; a page a request may still write is its own
+alone; and when everything has ended and the cache is flushed, every page and host slot is
+free."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrelay.cache.block_pool import OutOfPages
+from kvrelay.cache.host_tier import HostTier
 from kvrelay.config import SchedulerConfig
 from kvrelay.engine.messages import SamplingParams
 from kvrelay.engine.request import Request, Status
@@ -34,16 +38,38 @@ OPS = {
     "arrive": 1,
     "lift": 1,
     "evict": 1,
+    "evict_host": 1,
 }
 
 
+class SimulatedGate:
+    """The host tier's gate over the simulated KV: copies queue up and land, in order, when a
+    step passes the gate (`wait`)."""
+
+    def __init__(self, kv: dict[tuple[int, int], int]) -> None:
+        self.kv, self.host, self.queue = kv, {}, []
+
+    def copy_out(self, pairs) -> None:
+        self.queue += [(self.kv, self.host, page, slot) for page, slot in pairs]
+
+    def copy_in(self, pairs) -> None:
+        self.queue += [(self.host, self.kv, slot, page) for slot, page in pairs]
+
+    def wait(self) -> None:
+        for src, dst, a, b in self.queue:
+            for off in range(PS):
+                dst[(b, off)] = src.get((a, off))
+        self.queue = []
+
+
 class World:
-    def __init__(self, num_pages: int, budget: int, ratio: float) -> None:
+    def __init__(self, num_pages: int, budget: int, ratio: float, host_pages: int = 0) -> None:
         cfg = SchedulerConfig(
             max_num_batched_tokens=budget, max_running_requests=6, kv_reserve_ratio=ratio
         )
-        self.s = Scheduler(cfg, num_pages, PS, prefix_cache=True)
         self.kv: dict[tuple[int, int], int] = {}  # (page, offset) -> token whose K/V is there
+        self.tier = HostTier(host_pages, SimulatedGate(self.kv)) if host_pages else None
+        self.s = Scheduler(cfg, num_pages, PS, prefix_cache=True, host_tier=self.tier)
         self.n = 0
 
     def request(self, prefix: int, tail: int, max_tokens: int) -> Request:
@@ -59,6 +85,8 @@ class World:
     def step(self) -> None:
         s = self.s
         batch, _ = s.schedule()
+        if self.tier is not None:  # the engine's gate, before the forward
+            self.tier.gate.wait()
         for x in batch:
             r = x.req
             assert x.num_new_tokens >= 1, f"{r.rid} scheduled with nothing to compute"
@@ -94,10 +122,11 @@ class World:
     num_pages=st.integers(8, 24),
     budget=st.sampled_from([3, 8, 64]),
     ratio=st.sampled_from([0.0, 1.0]),
+    host_pages=st.sampled_from([0, 2, 8, 64]),
 )
-def test_pool_and_tree_stay_consistent(seed, num_ops, num_pages, budget, ratio) -> None:
+def test_pool_and_tree_stay_consistent(seed, num_ops, num_pages, budget, ratio, host_pages) -> None:
     rng = random.Random(seed)
-    w = World(num_pages, budget, ratio)
+    w = World(num_pages, budget, ratio, host_pages)
     s = w.s
     pending: list[Request] = []  # reserved transfers
     for kind in rng.choices(list(OPS), weights=list(OPS.values()), k=num_ops):
@@ -136,6 +165,8 @@ def test_pool_and_tree_stay_consistent(seed, num_ops, num_pages, budget, ratio) 
             s.lift(rng.choice(s.fences))
         elif kind == "evict":
             s.prefix.evict(rng.randint(1, 4))
+        elif kind == "evict_host" and w.tier is not None:
+            s.prefix.evict_host(rng.randint(1, 4))
         w.check()
     # Drain: every request ends, every fence lifts, the cache lets go: all pages free.
     for r in pending:
@@ -150,9 +181,27 @@ def test_pool_and_tree_stay_consistent(seed, num_ops, num_pages, budget, ratio) 
         s.lift(f)
     w.check()
     assert s.page_pool.num_used == s.prefix.num_pages == s.prefix.num_evictable
-    s.prefix.evict(s.prefix.num_evictable)
+    if w.tier is not None:
+        assert w.tier.slots.num_used == s.prefix.num_host_pages
+    s.prefix.flush()
     w.check()
     assert s.page_pool.num_free == s.page_pool.num_usable and s.prefix.num_pages == 0
+    assert s.prefix.num_host_pages == 0
+    if w.tier is not None:
+        assert w.tier.slots.num_free == w.tier.slots.num_usable
+
+
+def test_host_tier_round_trips_happen() -> None:
+    """The property test's host-tier worlds do offload, load back (and hit) and evict."""
+    w = World(8, 64, 1.0, host_pages=3)
+    s = w.s
+    for _ in range(6):  # 17 tokens each, 4 full pages: 7 usable pages hold about one
+        for prefix in (0, 2, 1):
+            s.add(w.request(prefix, 4, 1))
+            while s.has_work:
+                w.step()
+                w.check()
+    assert w.tier.offloaded and w.tier.loaded and w.tier.evicted and s.prefix.hit_tokens
 
 
 def test_a_resent_prompt_hits_and_leaves_one_token_to_compute() -> None:

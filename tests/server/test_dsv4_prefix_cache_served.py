@@ -54,10 +54,10 @@ COMMON = ("--model", str(AGENT), "--device", "cpu", "--dtype", "float32")
 
 @pytest.fixture(scope="module")
 def servers():
-    """Cache on with a small pool (24 pages of 128: evictions under 16 conversations), and
-    cache off with a roomy one; started side by side."""
+    """Cache on with a small pool (24 pages of 128: evictions under 16 conversations) and a
+    host tier (0.02 GiB: ~100 pages), and cache off with a roomy one; started side by side."""
     specs = {
-        "on": (*COMMON, "--max-total-tokens", "3072"),
+        "on": (*COMMON, "--max-total-tokens", "3072", "--host-cache-gb", "0.02"),
         "off": (*COMMON, "--max-total-tokens", "16384", "--disable-prefix-cache"),
     }
     started: dict[str, ServerProcess | BaseException] = {}
@@ -168,6 +168,9 @@ def test_16_conversations_equal_under_eviction(servers):
     assert sum(c for conv in on for _, c in conv) > 16 * 3 * PAGE  # most turns hit
     s = servers["on"]
     assert s.metric("kvrelay_prefix_cache_evicted_pages_total") > 0  # the small pool evicted
+    # ... to the host tier, and later turns loaded pages back from it
+    assert s.metric("kvrelay_prefix_cache_host_offloaded_pages_total") > 0
+    assert s.metric("kvrelay_prefix_cache_host_loaded_pages_total") > 0
     assert s.metric("kvrelay_prefix_cache_hit_tokens_total") > 0
     assert servers["off"].metric("kvrelay_prefix_cache_query_tokens_total") == 0
 

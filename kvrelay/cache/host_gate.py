@@ -1,0 +1,165 @@
+"""The one gate between the host tier and every reader of a cache pool: it copies whole pages of
+every kind the pool owns between device pages and host slots, and `wait()` is the single
+synchronisation point a forward passes before any kernel reads the pool.
+
+Which tensors move is derived from the pool itself (`page_tensors`: every tensor it owns whose
+leading dim is its page count), never from a hand-kept list, so a cache kind added to a pool
+moves with the others (DeepSeek-V4: window rows, compressed KV of each ratio, index keys and
+their fp8 scales, the per-page compressor state `page_prev_*`; dense: each layer's K and V).
+
+Copies run in issue order on one copy queue: a CUDA copy stream (after the compute stream's
+work so far; `wait()` makes the compute stream wait for an event), or on the CPU one worker
+thread (`wait()` blocks until it is done). In-order copies are what make reuse safe: a device
+page offloaded and then reused, or a host slot loaded and then refilled, is only touched again
+by a later copy or by a forward that passed the gate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+
+def owned_tensors(pool) -> dict[str, torch.Tensor]:
+    """Every tensor reachable from the pool's attributes (through lists, tuples, dicts and the
+    cache package's own objects), by the attribute path first reaching it."""
+    found: dict[tuple, tuple[str, torch.Tensor]] = {}
+    seen: set[int] = set()
+
+    def walk(obj, path: str) -> None:
+        if isinstance(obj, torch.Tensor):
+            key = (obj.data_ptr(), tuple(obj.shape), obj.stride(), obj.dtype)
+            found.setdefault(key, (path, obj))
+            return
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{path}[{k}]")
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, f"{path}[{i}]")
+        elif type(obj).__module__.startswith("kvrelay.cache"):
+            items = (
+                {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+                if dataclasses.is_dataclass(obj)
+                else vars(obj)
+            )
+            for k, v in items.items():
+                walk(v, f"{path}.{k}" if path else k)
+
+    walk(pool, "")
+    return dict(found.values())
+
+
+def page_tensors(pool) -> dict[str, torch.Tensor]:
+    """The pool's per-page tensors ([num_pages, ...]): what a page is made of. Raises when
+    that is ambiguous (a per-request tensor as long as the page count, or per-page views that
+    do not tile their storage exactly once)."""
+    if getattr(pool, "num_slots", None) == pool.num_pages:
+        raise ValueError("the pool has as many state slots as pages: per-page tensors ambiguous")
+    owned = owned_tensors(pool)
+    pages = {n: t for n, t in owned.items() if t.dim() and t.shape[0] == pool.num_pages}
+    by_storage: dict[int, list[torch.Tensor]] = {}
+    for t in pages.values():
+        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    for ts in by_storage.values():
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in ts)
+        nbytes = ts[0].untyped_storage().nbytes()
+        tiled = all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+        if not tiled or spans[-1][1] - spans[0][0] != nbytes:
+            raise ValueError("the pool's per-page views overlap or leave part of a tensor out")
+    return pages
+
+
+class HostTierGate:
+    def __init__(self, pool, capacity: int, device: torch.device) -> None:
+        self.kinds = page_tensors(pool)  # name -> device tensor [num_pages, ...]
+        pin = device.type == "cuda"
+        # Host slot 0 is never used (ids come from a BlockPool), like page 0.
+        self.host = {
+            n: torch.empty((capacity + 1, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
+            for n, t in self.kinds.items()
+        }
+        self.device = device
+        self.delay: Callable[[], None] | None = None  # test hook: runs inside each kind's copy
+        # Test hook: ("in" | "out", kind) per kind copied, ("open", "") when the gate opens.
+        self.trace: list[tuple[str, str]] | None = None
+        if device.type == "cuda":
+            self._stream = torch.cuda.Stream(device)
+            self._event: torch.cuda.Event | None = None
+        else:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvrelay-host-tier")
+            self._pending: Future | None = None
+
+    @staticmethod
+    def bytes_per_page(pool) -> int:
+        return sum(t[0].numel() * t.element_size() for t in page_tensors(pool).values())
+
+    def copy_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Offload: device page -> host slot, for each (page, slot)."""
+        if pairs:
+            self._submit("out", pairs)
+
+    def copy_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Load: host slot -> device page, for each (slot, page)."""
+        if pairs:
+            self._submit("in", pairs)
+
+    def _copy(self, way: str, pairs: list[tuple[int, int]]) -> None:
+        with torch.inference_mode():
+            for name, dev in self.kinds.items():
+                if self.delay is not None:
+                    self.delay()
+                host = self.host[name]
+                for a, b in pairs:
+                    if way == "out":
+                        host[b].copy_(dev[a], non_blocking=True)
+                    else:
+                        dev[b].copy_(host[a], non_blocking=True)
+                if self.trace is not None:
+                    self.trace.append((way, name))
+
+    def _submit(self, way: str, pairs: list[tuple[int, int]]) -> None:
+        if self.device.type == "cuda":
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # pages written so far
+            with torch.cuda.stream(self._stream):
+                self._copy(way, pairs)
+            self._event = torch.cuda.Event()
+            self._event.record(self._stream)
+        else:
+            prev = self._pending
+            self._pending = self._worker.submit(self._after, prev, way, list(pairs))
+
+    def _after(self, prev: Future | None, way: str, pairs: list[tuple[int, int]]) -> None:
+        if prev is not None:
+            prev.result()  # one worker runs them in order already; this passes a failure on
+        self._copy(way, pairs)
+
+    @property
+    def pending(self) -> bool:
+        """Copies were issued that no `wait()` has covered yet."""
+        if self.device.type == "cuda":
+            return self._event is not None
+        return self._pending is not None
+
+    def wait(self) -> None:
+        """The gate: every copy issued so far is complete (CPU) or ordered before whatever the
+        compute stream runs next (CUDA). A forward calls this before it reads the pool."""
+        if self.device.type == "cuda":
+            if self._event is not None:
+                torch.cuda.current_stream(self.device).wait_event(self._event)
+                self._event = None
+        elif self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+        if self.trace is not None:
+            self.trace.append(("open", ""))
+
+    def close(self) -> None:
+        if self.device.type != "cuda":
+            self._worker.shutdown(wait=True)

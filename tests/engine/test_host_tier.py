@@ -1,0 +1,138 @@
+"""The prefix cache's host tier in an engine (CPU float32, greedy): device pools that hold about
+one conversation, so every earlier conversation's pages go to host memory, and later turns hit
+them there and load them back through the gate.
+
+- SmolLM2 and dsv4-tiny give the tokens of a cache-off engine, at concurrency 1 (one request at
+  a time) and 16 (one batch), and they really did offload, load back and hit;
+- a race: the gate's copies delayed by random sleeps give bitwise the same tokens and logprobs
+  as without delays (the forward waits at the gate, whatever the copies take).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+from test_dsv4_prefix_cache import make_engine as make_dsv4
+
+from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvrelay.engine.engine import Engine, generate
+from kvrelay.engine.messages import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+PARAMS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=0)
+SMOL_PAGE_BYTES = 184_320  # SmolLM2-135M, float32, 4 tokens
+DSV4_PAGE_BYTES = 46_848  # dsv4-tiny, float32, 16 tokens
+
+
+def _gb(pages: int, page_bytes: int) -> float:
+    return pages * page_bytes / (1 << 30)
+
+
+def smol(host_pages: int = 0, prefix_cache: bool = True) -> Engine:
+    """12 pages of 4 tokens on the device (about two conversations), 256-token steps."""
+    cache = CacheConfig(
+        page_size=4,
+        max_total_tokens=48,
+        prefix_cache=prefix_cache,
+        host_cache_gb=_gb(host_pages, SMOL_PAGE_BYTES),
+    )
+    return Engine(
+        EngineConfig(
+            dtype="float32",
+            cache=cache,
+            scheduler=SchedulerConfig(max_num_batched_tokens=256, kv_reserve_ratio=0.0),
+        )
+    )
+
+
+def dsv4(host_pages: int = 0, prefix_cache: bool = True) -> Engine:
+    """12 pages of 16 tokens on the device."""
+    return make_dsv4(
+        budget=256,
+        max_total_tokens=192,
+        prefix_cache=prefix_cache,
+        host_cache_gb=_gb(host_pages, DSV4_PAGE_BYTES),
+    )
+
+
+def _ids(n: int, seed: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (n,), generator=g).tolist()
+
+
+def workload(engine: Engine) -> list[tuple[list[int], list[float], int]]:
+    """4 conversations (a shared trunk of 2.5 pages, 3 pages of their own) one at a time;
+    their second turns one at a time; then 16 third turns in one batch. Per request: (tokens,
+    logprobs, cached tokens)."""
+    vocab, p = engine.src.config.vocab_size, engine.runner.page_size
+    trunk = _ids(2 * p + p // 2, 1, vocab)
+    first = [trunk + _ids(3 * p, 10 + i, vocab) for i in range(4)]
+    second = [ids + _ids(p // 2 + 1, 20 + i, vocab) for i, ids in enumerate(first)]
+    third = [second[i % 4] + _ids(1 + i % p, 30 + i, vocab) for i in range(16)]
+    outs = [generate(engine, [ids], PARAMS)[0] for ids in first + second]
+    outs += generate(engine, third, PARAMS)
+    return [
+        (
+            [t for o in out for t in o.token_ids],
+            [lp for o in out for lp in o.logprobs],
+            out[0].num_cached_tokens,
+        )
+        for out in outs
+    ]
+
+
+def _tokens(results) -> list[list[int]]:
+    return [r[0] for r in results]
+
+
+def _check_round_trips(engine: Engine, results) -> None:
+    tier = engine.host_tier
+    assert tier.offloaded > 0 and tier.loaded > 0
+    p = engine.runner.page_size
+    assert all(cached >= 3 * p for _, _, cached in results[4:])  # later turns all hit
+    engine.check_idle_integrity()
+    engine.flush_prefix_cache()
+    assert engine.scheduler.page_pool.num_used == 0 and tier.slots.num_used == 0
+
+
+@pytest.fixture(scope="module")
+def smol_runs() -> dict:
+    on, off = smol(host_pages=24), smol(host_pages=24, prefix_cache=False)
+    assert off.host_tier is None  # --disable-prefix-cache turns the host tier off too
+    runs = {"engine": on, "on": workload(on), "off": workload(off)}
+    _check_round_trips(on, runs["on"])  # flushes: the engine is as new again
+    return runs
+
+
+def test_smollm2_hits_through_host_memory_equal_cache_off(smol_runs) -> None:
+    assert _tokens(smol_runs["on"]) == _tokens(smol_runs["off"])
+
+
+def test_dsv4_hits_through_host_memory_equal_cache_off() -> None:
+    on = dsv4(host_pages=24)
+    got = workload(on)
+    assert _tokens(got) == _tokens(workload(dsv4(prefix_cache=False)))
+    _check_round_trips(on, got)
+
+
+def test_delayed_copies_give_bitwise_the_same_outputs(smol_runs, monkeypatch) -> None:
+    """The gate's copies (on its worker thread) sleep at random before each cache kind: a
+    forward that read the pool before they landed would see stale or reused pages (without the
+    engine's wait most requests differ). And no forward starts with a copy outstanding."""
+    engine = smol_runs["engine"]
+    gate, loaded = engine.host_tier.gate, engine.host_tier.loaded
+    rng = random.Random(0)
+    monkeypatch.setattr(gate, "delay", lambda: time.sleep(rng.choice((0, 0, 0, 5e-4, 2e-3))))
+    forward, outstanding = engine.runner.forward_step, []
+
+    def checked_forward(*args, **kw):
+        outstanding.append(gate.pending)
+        return forward(*args, **kw)
+
+    monkeypatch.setattr(engine.runner, "forward_step", checked_forward)
+    assert workload(engine) == smol_runs["on"]  # tokens, logprobs and cached tokens
+    assert engine.host_tier.loaded > loaded
+    assert outstanding and not any(outstanding)
