@@ -86,6 +86,9 @@ class HostTierGate:
             for n, t in self.kinds.items()
         }
         self.device = device
+        # A copy that failed left pages the tree believes loaded (or offloaded) half-written:
+        # from then on every wait() raises, so no forward reads them and the server reports it.
+        self.broken: BaseException | None = None
         self.delay: Callable[[], None] | None = None  # test hook: runs inside each kind's copy
         # Test hook: ("in" | "out", kind) per kind copied, ("open", "") when the gate opens.
         self.trace: list[tuple[str, str]] | None = None
@@ -150,13 +153,19 @@ class HostTierGate:
     def wait(self) -> None:
         """The gate: every copy issued so far is complete (CPU) or ordered before whatever the
         compute stream runs next (CUDA). A forward calls this before it reads the pool."""
+        if self.broken is not None:
+            raise RuntimeError(f"a host tier copy failed earlier: {self.broken!r}")
         if self.device.type == "cuda":
             if self._event is not None:
                 torch.cuda.current_stream(self.device).wait_event(self._event)
                 self._event = None
         elif self._pending is not None:
             pending, self._pending = self._pending, None
-            pending.result()
+            try:
+                pending.result()
+            except BaseException as e:
+                self.broken = e
+                raise
         if self.trace is not None:
             self.trace.append(("open", ""))
 

@@ -136,3 +136,27 @@ def test_delayed_copies_give_bitwise_the_same_outputs(smol_runs, monkeypatch) ->
     assert workload(engine) == smol_runs["on"]  # tokens, logprobs and cached tokens
     assert engine.host_tier.loaded > loaded
     assert outstanding and not any(outstanding)
+
+
+def test_a_failed_copy_fails_every_later_step_never_a_wrong_answer(monkeypatch) -> None:
+    """A copy that raises leaves pages the tree thinks loaded half-written: the step fails its
+    requests with a named error, and so does every later step (the gate stays shut), so the
+    engine's health turns and nothing is ever answered from those pages."""
+    engine = smol(host_pages=24)
+    gate = engine.host_tier.gate
+
+    def boom():
+        raise OSError("host copy failed (test)")
+
+    vocab, p = engine.src.config.vocab_size, engine.runner.page_size
+    for i in range(4):  # fill the device pool so that later conversations push pages out
+        generate(engine, [_ids(4 * p, 50 + i, vocab)], PARAMS)
+    monkeypatch.setattr(gate, "delay", boom)
+    out = generate(engine, [_ids(4 * p, 60, vocab)], PARAMS)[0]
+    assert out[-1].finish_reason == "error" and "host copy failed (test)" in out[-1].error
+    failed = engine.failed_steps
+    assert failed >= 1 and gate.broken is not None
+    monkeypatch.setattr(gate, "delay", None)
+    later = generate(engine, [_ids(2 * p, 70, vocab)], PARAMS)[0]
+    assert later[-1].finish_reason == "error" and "host tier copy failed" in later[-1].error
+    assert engine.failed_steps > failed
