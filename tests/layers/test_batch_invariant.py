@@ -20,7 +20,7 @@ from kvrelay.models.deepseek_v4.sparse_attention import sparse_mqa_reference
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def rows_differ(f, x: torch.Tensor, on: bool, trials: int = 6, seed: int = 0) -> list:
+def rows_differ(f, x: torch.Tensor, on: bool, trials: int = 4, seed: int = 0) -> list:
     """(batch size, position) where f(x[batch])[position] != f(x[row])[0] for the same row."""
     rng = random.Random(seed)
     bad = []
@@ -44,7 +44,7 @@ def test_linear_rows(dtype) -> None:
     k, n = (4096, 512) if dtype == torch.bfloat16 else (576, 256)
     w = torch.randn(n, k).to(dtype)
     x = torch.randn(40, k).to(dtype)
-    assert rows_differ(lambda a: F.linear(a, w), x, on=False, trials=12)
+    assert rows_differ(lambda a: F.linear(a, w), x, on=False, trials=8)
     assert not rows_differ(lambda a: F.linear(a, w), x, on=True)
     assert not rows_differ(lambda a: a @ w.T, x, on=True)  # aten.matmul
 
@@ -78,7 +78,7 @@ def test_moe_experts_rows(dtype) -> None:
     with torch.no_grad():
         ex.gate_up_proj.normal_(0, 0.05)
         ex.down_proj.normal_(0, 0.05)
-    n, e, k = 48, cfg.n_routed_experts, cfg.num_experts_per_tok
+    n, e, k = 32, cfg.n_routed_experts, cfg.num_experts_per_tok
     x = torch.randn(n, cfg.hidden_size).to(dtype)
     idx = torch.stack([torch.randperm(e)[:k] for _ in range(n)])
     weights = torch.rand(n, k)
@@ -89,7 +89,7 @@ def test_moe_experts_rows(dtype) -> None:
         return ex(rows[:, :h].to(dtype), rows[:, h : h + k], rows[:, h + k :].long())
 
     if dtype == torch.float32:
-        assert rows_differ(f, both, on=False, trials=12)
+        assert rows_differ(f, both, on=False, trials=8)
     assert not rows_differ(f, both, on=True)
 
 
