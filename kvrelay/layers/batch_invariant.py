@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+aten = torch.ops.aten
 ROWS = 16  # rows per block: every blocked op sees [ROWS, ...] whatever the batch
 
 
@@ -65,7 +66,7 @@ def _matmul(a, b):
     return _rows_of(a, lambda blk: torch.mm(blk, b))
 
 
-def _einsum(equation: str, operands):
+def _einsum(equation: str, operands, path=None):
     """Block the leading letter of the output over every operand it leads (tokens times a
     weight: "ngi,gri->ngr"; per-row batched products: "nhd,nkd->nhk")."""
     ins, out = equation.replace(" ", "").split("->")
@@ -82,7 +83,7 @@ def _einsum(equation: str, operands):
         ops = list(operands)
         for i, blk in zip(blocked, blocks, strict=True):
             ops[i] = blk
-        return torch.einsum(equation, *ops)
+        return aten.einsum.default(equation, ops, path=path)
 
     return in_row_blocks(run, *(operands[i] for i in blocked))
 
@@ -115,7 +116,6 @@ def _softmax(op):
     return run
 
 
-aten = torch.ops.aten
 _HANDLERS = {
     aten.linear.default: _linear,
     aten.mm.default: _mm,
@@ -165,7 +165,7 @@ def check_supported(cfg, device: torch.device | str) -> None:
         raise ValueError(
             "--deterministic runs on the CPU only, so far: the Triton kernels (split-K decode "
             "attention, varlen attention, sparse MQA, indexer, fused MoE, fused norms) and the "
-            "CUDA-graph runners have no batch-invariant variant yet"
+            "CUDA-graph runners have no batch-invariant variant yet (--device cpu runs it)"
         )
     if cfg.attention_backend in ("triton", "reference"):
         raise ValueError(

@@ -21,14 +21,14 @@ NEW = 3
 ALONE = [1, 6, 2]
 
 
-def make_engine(model: str) -> Engine:
+def make_engine(model: str, deterministic: bool = True) -> Engine:
     src = resolve(model, "dummy" if model.startswith("dsv4") else "auto")
     cfg = EngineConfig(
         model=model,
         load_format="dummy" if model.startswith("dsv4") else "auto",
         device="cpu",
         dtype="bfloat16",
-        deterministic=True,
+        deterministic=deterministic,
         cache=CacheConfig(max_total_tokens=4096),
         scheduler=SchedulerConfig(max_num_batched_tokens=8, kv_reserve_ratio=0.0),
     )
@@ -57,15 +57,25 @@ def results(outs) -> tuple[list[int], list[float], list]:
     return toks, lps, tops
 
 
+def differing(eng: Engine) -> list[int]:
+    """The ALONE requests whose results alone differ from theirs among the 16."""
+    ps, pp = prompts(eng.runner.model_cfg.vocab_size), params()
+    together = [results(r) for r in generate(eng, ps, pp)]
+    return [i for i in ALONE if results(generate(eng, [ps[i]], [pp[i]])[0]) != together[i]]
+
+
 @pytest.mark.parametrize("model", ["smollm2", "dsv4-tiny"])
 def test_alone_equals_concurrent_bitwise(model: str) -> None:
     eng = make_engine(model)
-    ps, pp = prompts(eng.runner.model_cfg.vocab_size), params()
-    together = [results(r) for r in generate(eng, ps, pp)]
-    for i in ALONE:
-        alone = results(generate(eng, [ps[i]], [pp[i]])[0])
-        assert alone == together[i], f"{model} prompt {i} (len {LENGTHS[i]}, temp {i % 2})"
+    assert differing(eng) == []
     eng.check_idle_integrity()
+
+
+def test_default_path_differs() -> None:
+    """Without the mode the same check fails (so the one above can): measured here, the default
+    path gives other logprob bits alone than among the 16 for most requests (SmolLM2 bf16: 11 of
+    16; float32: all 16; dsv4-tiny bf16: 1 of 16, float32: all 16)."""
+    assert differing(make_engine("smollm2", deterministic=False))
 
 
 def test_refuses_what_it_cannot_make_invariant() -> None:
