@@ -76,6 +76,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant mode: a request's logits and seeded samples are bitwise the same "
+        "at any concurrency and any prefill chunking (fixed-shape matmuls, reductions and "
+        "attention blocks; slower; CPU torch path only, so far)",
+    )
+    g.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=d.tensor_parallel_size,
@@ -322,6 +329,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         step_profile_every=a.step_profile_every,
         max_model_len=a.max_model_len,
         seed=a.seed,
+        deterministic=a.deterministic,
         tensor_parallel_size=a.tensor_parallel_size,
         expert_parallel=a.expert_parallel,
         ep_dispatch=a.ep_dispatch,

@@ -104,6 +104,9 @@ class EngineConfig:
     max_cuda_graph_batch: int = 256
     # Time attention / MLP or MoE / communication / other on every N-th step; 0: off.
     step_profile_every: int = 0
+    # Batch-invariant ops (layers/batch_invariant.py): a request's logits are bitwise the same
+    # whatever else is in its batch and however its prompt was chunked. CPU torch path only.
+    deterministic: bool = False
     max_model_len: int | None = None
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)

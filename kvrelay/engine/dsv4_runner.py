@@ -17,6 +17,7 @@ from kvrelay.engine.dsv4_step import HEADER, Dsv4Step, plan_step, recv_step, sen
 from kvrelay.engine.prompt_logprobs import PromptRows, StepLogits
 from kvrelay.engine.runner import cache_budget, pick_device, pick_dtype
 from kvrelay.engine.scheduler import ScheduledRequest
+from kvrelay.layers import batch_invariant
 from kvrelay.layers.parallel import TPGroup
 from kvrelay.layers.step_profile import StepProfiler
 from kvrelay.models.deepseek_v4.batch_meta import build_meta
@@ -41,6 +42,7 @@ class DeepseekV4Runner:
         self.device = pick_device(cfg.device)
         self.dtype = pick_dtype(cfg.dtype, self.device)
         check_parallel(cfg, self.device)
+        batch_invariant.check_supported(cfg, self.device)  # refuses what it cannot make invariant
         # Tensor parallel: torch.distributed is already initialised by whoever started the rank.
         self.tp = TPGroup.from_default(cfg.tensor_parallel_size)
         c = self.model_cfg = src.config
@@ -72,7 +74,7 @@ class DeepseekV4Runner:
         if cfg.linear_weights == "fp8":
             n = use_fp8_linears(self.model)
             log.info("%d attention / shared-expert linears hold FP8 block-scaled weights", n)
-        self.ops, self.kernels = _pick_ops(cfg.attention_backend, self.device)
+        self.ops, self.kernels = _pick_ops(cfg.attention_backend, self.device, cfg.deterministic)
         if self.kernels is not None:  # the Triton path: fused norms and projections as well
             from kvrelay.kernels.triton_pointwise import rms_norm_wide
 
@@ -151,6 +153,10 @@ class DeepseekV4Runner:
         return self._run(batch, profile, False, prompt_logprobs.plan(batch))
 
     def _run(self, batch, profile, all_rows: bool, rows: PromptRows | None) -> StepLogits:
+        with batch_invariant.scope(self.cfg.deterministic):
+            return self._run_batch(batch, profile, all_rows, rows)
+
+    def _run_batch(self, batch, profile, all_rows: bool, rows: PromptRows | None) -> StepLogits:
         self._restore_after_prefix_hit(batch)
         if rows is None and self._graphable(batch, profile, all_rows):
             logits = self.graphs.run(
@@ -272,11 +278,18 @@ def check_parallel(cfg: EngineConfig, device: torch.device) -> None:
     # and a decode server's rank 0 hands each received piece to every rank (tp_install.py).
 
 
-def _pick_ops(backend: str, device: torch.device) -> tuple[AttentionOps, LayerKernels | None]:
-    """Torch references (CPU, `torch`), or the Triton kernels (`triton`; auto on the GPU)."""
+def _pick_ops(
+    backend: str, device: torch.device, deterministic: bool = False
+) -> tuple[AttentionOps, LayerKernels | None]:
+    """Torch references (CPU, `torch`), the Triton kernels (`triton`; auto on the GPU), or the
+    batch-invariant torch ops (`deterministic`)."""
     from kvrelay.kernels.indexer_reference import indexer_topk_reference
     from kvrelay.models.deepseek_v4.sparse_attention import sparse_mqa_reference
 
+    if deterministic:
+        from kvrelay.layers import batch_invariant_attention as bi
+
+        return AttentionOps(bi.sparse_mqa, bi.indexer_topk), None
     if backend == "triton" or (backend == "auto" and device.type == "cuda"):
         from kvrelay.kernels.triton_compressor import pool_windows
         from kvrelay.kernels.triton_indexer import indexer_topk

@@ -234,6 +234,7 @@ class Engine:
                 [r.output_ids for r in sampling],
                 [r.generator for r in sampling],
                 self.grammar.bitmask(sampling),  # None when no request is constrained
+                self.cfg.deterministic,
             )
         except Exception as e:  # a broken batch fails its requests, never the engine
             self.failed_steps += 1  # /health turns 503 when they keep failing (a sticky error)

@@ -19,7 +19,9 @@ from kvrelay.engine import prompt_logprobs, tp_install, tp_step
 from kvrelay.engine.batch import ForwardBatch, prepare
 from kvrelay.engine.prompt_logprobs import StepLogits
 from kvrelay.engine.scheduler import ScheduledRequest
+from kvrelay.layers import batch_invariant
 from kvrelay.layers.attention import make_backend
+from kvrelay.layers.batch_invariant_attention import BatchInvariantAttention
 from kvrelay.layers.ops import TORCH_OPS, triton_ops
 from kvrelay.layers.parallel import TPGroup
 from kvrelay.layers.step_profile import StepProfiler
@@ -85,6 +87,9 @@ class ModelRunner:
         elif backend == "reference":  # DeepSeek-V4's oracle path; dense: the torch reference
             backend = "torch"
         self.backend = make_backend(backend)
+        batch_invariant.check_supported(cfg, self.device)  # refuses what it cannot make invariant
+        if cfg.deterministic:
+            self.backend = BatchInvariantAttention()
         # The Triton backend also brings the fused per-token kernels; "torch" is the reference.
         self.ops = triton_ops() if backend == "triton" else TORCH_OPS
         num_pages = self.tp.min_int(self._num_pages())  # every rank holds the same page ids
@@ -173,6 +178,10 @@ class ModelRunner:
     ) -> StepLogits:
         """The sampling rows' logits, and the prompt logprobs of the requests that ask for them
         (scored from the same forward's hidden states: those rows only, eagerly)."""
+        with batch_invariant.scope(self.cfg.deterministic):
+            return self._step(batch, profile)
+
+    def _step(self, batch: list[ScheduledRequest], profile: StepProfiler | None) -> StepLogits:
         fb = prepare(batch, self.page_size, self.device)
         rows = prompt_logprobs.plan(batch)
         if self.tp.is_parallel:

@@ -95,10 +95,13 @@ def sample(
     outputs: list[list[int]],
     generators: list[torch.Generator],
     bitmask: torch.Tensor | None = None,
+    deterministic: bool = False,
 ) -> SampleResult:
     """logits: [N, V] float32, one row per request that samples this step. bitmask: int32
     [N, ceil(V/32)] of allowed tokens (grammar-constrained rows; the others all ones), or None.
-    Logprobs stay those of the model's own distribution (the mask does not renormalize them)."""
+    Logprobs stay those of the model's own distribution (the mask does not renormalize them).
+    `deterministic`: the vocabulary reductions (softmax, sums, log-softmax) run one row per
+    call, so they see [1, V] whatever the batch (batch-invariant mode)."""
     raw = logits
     logits = logits.clone()
     _apply_penalties(logits, params, outputs)
@@ -107,7 +110,10 @@ def sample(
     chosen = logits.argmax(dim=1)
     rows = [i for i, p in enumerate(params) if p.temperature > 0]
     if rows:
-        sub = _filter(logits[rows], [params[i] for i in rows])
+        if deterministic:
+            sub = torch.cat([_filter(logits[i : i + 1], [params[i]]) for i in rows])
+        else:
+            sub = _filter(logits[rows], [params[i] for i in rows])
         for j, i in enumerate(rows):
             # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
             e = torch.empty_like(sub[j]).exponential_(generator=generators[i])
@@ -117,7 +123,10 @@ def sample(
     tops: list[list[TokenLogprob] | None] = [None] * len(params)
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:
-        lp = torch.log_softmax(raw[want], dim=1)
+        if deterministic:
+            lp = torch.cat([torch.log_softmax(raw[i : i + 1], dim=1) for i in want])
+        else:
+            lp = torch.log_softmax(raw[want], dim=1)
         k = min(max(params[i].logprobs for i in want), lp.shape[1])
         top_v, top_i = lp.topk(k, dim=1) if k > 0 else (lp[:, :0], lp[:, :0].long())
         chosen_lp = lp.gather(1, chosen[want][:, None]).squeeze(1).tolist()

@@ -33,6 +33,11 @@ def add_up_parser(subparsers) -> argparse.ArgumentParser:
         help="passed to both servers: no radix prefix cache (prefill uses one by default)",
     )
     u.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="passed to both servers: batch-invariant mode (see `kvrelay serve --help`)",
+    )
+    u.add_argument(
         "--server-args",
         default="",
         help="more `kvrelay serve` args for both servers, e.g. --server-args='--dtype float32'",
@@ -88,6 +93,8 @@ def launch_config(a: argparse.Namespace):
             common += [flag, str(val)]
     if a.disable_prefix_cache:
         common.append("--disable-prefix-cache")
+    if a.deterministic:
+        common.append("--deterministic")
     return LaunchConfig(
         host=a.host,
         port=a.port,
