@@ -66,8 +66,9 @@ class Engine:
         if not registry.family(self.src.config.architecture).prefix_cache:
             return "off (not supported for this model family yet)"
         if self.cfg.role == "decode" and self.runner.num_state_slots:
-            # A decode hit would need the per-request state (DeepSeek-V4's compressor state) at
-            # the boundary, which prefill sends only for the whole prompt: not done yet.
+            # DeepSeek-V4: a transferred prompt's pages lack what a cached page must hold (the
+            # window rows before the prompt's last ones, the per-page compressor state), and
+            # prefill sends the request's state for the whole prompt only: not done yet.
             return "off (PD decode role with per-request state)"
         if self.cfg.tensor_parallel_size > 1 and self.runner.num_state_slots:
             # A hit restores the request's state slot (DeepSeek-V4's compressor state) from its
