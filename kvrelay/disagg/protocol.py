@@ -21,8 +21,9 @@ from typing import Annotated, Literal
 
 import msgspec
 
-# 2: pieces name their cache kinds; 3: authenticated handshake, typed IPC; 4: Released (the fence)
-PROTOCOL_VERSION = 4
+# 2: pieces name their cache kinds; 3: authenticated handshake, typed IPC; 4: Released (the fence);
+# 5: ReserveAck.skip_tokens (decode holds a cached prefix)
+PROTOCOL_VERSION = 5
 
 # Field limits: a received message that breaks one is refused whole (msgspec.ValidationError).
 Id = Annotated[str, msgspec.Meta(max_length=256)]  # ids, names, addresses, fingerprints
@@ -109,6 +110,9 @@ class ReserveAck(msgspec.Struct, tag=True):
     # memory (cuda_ipc) puts the rows
     pages: Annotated[list[Count], msgspec.Meta(max_length=MAX_PAGES)] = []
     slot: Count = 0
+    # prompt tokens whose paged KV decode already holds (its prefix cache; whole pages, fewer
+    # than the prompt): prefill sends page rows only for tokens from here on
+    skip_tokens: Count = 0
 
     def __post_init__(self) -> None:
         self.reason = self.reason[:MAX_TEXT]  # ours may quote a peer's: stay within the limit

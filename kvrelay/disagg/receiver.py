@@ -2,9 +2,11 @@
 install it, then decode.
 
 Per request: RESERVED (the scheduler holds pages and, for models with per-request state, a state
-slot; waiting for prefill's ReserveRequest) -> RECEIVING (matched; pieces arriving as prefill
-computes the prompt chunk by chunk, each checked: transfer id, request id, connection, cache kinds,
-token range (continuing where each kind's rows end), size, checksum) -> DONE (installed; the
+slot; with a prefix cache it shares, locked, the pages of the prompt's longest cached prefix, and
+the ack tells prefill to skip their tokens; waiting for prefill's ReserveRequest) -> RECEIVING
+(matched; pieces arriving as prefill computes the prompt chunk by chunk, each checked: transfer
+id, request id, connection, cache kinds, token range (continuing where each kind's rows end: the
+first page piece where the cached prefix ends), size, checksum) -> DONE (installed; the
 scheduler admits the request with num_computed = prompt length and the first token appended);
 any state -> FAILED (prefill told, error output). A ReserveRequest that arrives before decode's own
 copy of the request waits as an orphan until that copy arrives or its deadline passes.
@@ -177,7 +179,6 @@ class DecodeReceiver(TransferAgent):
     def add(self, req, pd: P.PDParams) -> None:
         c = self.cfg
         t = DecodeTransfer(req, pd, P.decode_machine(c.bootstrap_timeout_s, c.transfer_timeout_s))
-        t.filled = dict.fromkeys(self.kind_by_name, 0)
         if pd.transfer_id in self.transfers:
             self._emit_failure(
                 req.rid, pd.transfer_id, P.Cause.IDENTITY, "duplicate transfer id", "new"
@@ -189,6 +190,10 @@ class DecodeReceiver(TransferAgent):
             self._emit_failure(req.rid, pd.transfer_id, P.Cause.NO_KV, str(e), "new")
             self.reject(pd.transfer_id, str(e))
             return
+        # Page kinds of the cached prefix are installed already; the state is sent whole.
+        t.filled = {
+            k.name: 0 if k.unit == SLOT else req.matched_tokens for k in self.kind_by_name.values()
+        }
         self.transfers[pd.transfer_id] = t
         orphan = self.orphans.pop(pd.transfer_id, None)
         if orphan is not None:
@@ -235,7 +240,10 @@ class DecodeReceiver(TransferAgent):
             return self._fail(t, P.Cause.IDENTITY, why, notify=False)
         t.conn = conn
         t.sm.to(TState.RECEIVING)
-        ack = P.ReserveAck(t.pd.transfer_id, True, pages=list(req.pages), slot=req.state_slot)
+        ack = P.ReserveAck(
+            t.pd.transfer_id, True, pages=list(req.pages), slot=req.state_slot,
+            skip_tokens=req.matched_tokens,
+        )  # fmt: skip
         if not self._send(conn, ack):
             self._fail(
                 t,
@@ -394,7 +402,8 @@ class DecodeReceiver(TransferAgent):
         self._observe("transfer", time.monotonic() - t.reserved)  # reserved -> all installed
         self._observe("install", t.install_s)
         req.num_computed = len(req.prompt_ids)
-        req.num_cached_tokens = f.cached_tokens  # prefill's prefix cache hit (usage)
+        # usage: prompt tokens whose KV was reused, by prefill (not computed) or here (not moved)
+        req.num_cached_tokens = max(f.cached_tokens, req.matched_tokens)
         req.output_ids.append(f.token_id)
         if req.params.temperature > 0 and req.generator is not None:
             # Prefill drew the first token from this seed: make the same one draw (one exponential per
@@ -412,7 +421,7 @@ class DecodeReceiver(TransferAgent):
                 top,
                 finish_reason=reason,
                 num_prompt_tokens=len(req.prompt_ids),
-                num_cached_tokens=f.cached_tokens,
+                num_cached_tokens=req.num_cached_tokens,
             )
         )
         if reason is not None:

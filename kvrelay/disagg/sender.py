@@ -2,8 +2,9 @@
 
 Per request: BOOTSTRAPPING (ReserveRequest sent) -> PREFILLING (decode holds pages; the request is
 in the local scheduler; the paged cache rows each prompt chunk completed go out, per layer group,
-right after the step that computed it) -> SENDING (the last chunk, the per-request state after the
-prompt and the first token sent, pages and slot freed here; waiting for decode's TransferDone) ->
+right after the step that computed it, except those of the prefix decode's ack says it holds
+already) -> SENDING (the last chunk, the per-request state after the prompt and the first token
+sent, pages and slot freed here; waiting for decode's TransferDone) ->
 DONE; any state -> FAILED with a cause, a log line and an error output. A Failure from decode is
 answered with Released once nothing more will be sent or written for that transfer: decode keeps
 the pages it gave us fenced until then. A decode address without a live peer is dialed (connect +
@@ -94,6 +95,7 @@ class PrefillTransfer:
     pieces: int = 0  # KV pieces sent
     dst_pages: list[int] = field(default_factory=list)  # decode's, from its reservation ack
     dst_slot: int = 0
+    skip: int = 0  # prompt tokens whose paged KV decode holds already (its ack): never sent
     corrupt: bool = False  # TEST ONLY: damage the first non-empty piece
     acked: float = 0.0  # monotonic time of decode's reservation ack
     send_s: float = 0.0  # time spent sending pieces (gather, checksum, copy or socket)
@@ -195,6 +197,19 @@ class PrefillSender(TransferAgent):
             else:
                 pages = min(pages, t.shape[0] // k.tensor.shape[1])
         return pages, slots
+
+    def _skip_problem(self, t: PrefillTransfer, ack: P.ReserveAck) -> str:
+        """Decode may skip only whole pages of the prompt, never its last token (a piece must
+        start where a page does, and decode needs at least the rows after its cached prefix),
+        and only for a model without per-request state (which is sent for the whole prompt)."""
+        n, page = len(t.req.prompt_ids), self.engine.runner.page_size
+        skip = ack.skip_tokens
+        if skip and (skip >= n or skip % page or self.slot_groups):
+            return (
+                f"decode asks to skip {skip} tokens of a {n}-token prompt "
+                f"(pages of {page} tokens{', per-request state' if self.slot_groups else ''})"
+            )
+        return ""
 
     def _destination_problem(self, t: PrefillTransfer, ack: P.ReserveAck) -> str:
         """cuda_ipc writes land where decode's ack says: every page and the slot must exist."""
@@ -512,10 +527,11 @@ class PrefillSender(TransferAgent):
                     f"decode refused the reservation: {msg.reason}",
                     notify=False,
                 )
-            problem = self._destination_problem(t, msg)
+            problem = self._skip_problem(t, msg) or self._destination_problem(t, msg)
             if problem:
                 return self._fail(t, P.Cause.IDENTITY, problem)
             t.dst_pages, t.dst_slot = msg.pages, msg.slot
+            t.skip = t.sent = msg.skip_tokens
             t.acked = time.monotonic()
             t.sm.to(TState.PREFILLING)
             self.engine.scheduler.add(t.req)

@@ -65,9 +65,11 @@ class Engine:
             return "off (--disable-prefix-cache)"
         if not registry.family(self.src.config.architecture).prefix_cache:
             return "off (not supported for this model family yet)"
-        if self.cfg.role == "decode":
-            # Decode admits transferred KV as it comes (prefill reuses its own cached prefix).
-            return "off (PD decode role)"
+        if self.cfg.role == "decode" and self.runner.num_state_slots:
+            # DeepSeek-V4: a transferred prompt's pages lack what a cached page must hold (the
+            # window rows before the prompt's last ones, the per-page compressor state), and
+            # prefill sends the request's state for the whole prompt only: not done yet.
+            return "off (PD decode role with per-request state)"
         if self.cfg.tensor_parallel_size > 1 and self.runner.num_state_slots:
             # A hit restores the request's state slot (DeepSeek-V4's compressor state) from its
             # last shared page on rank 0 only; the other ranks' slots would miss it.
@@ -80,6 +82,10 @@ class Engine:
             return None, "off (no prefix cache)"
         if self.cfg.tensor_parallel_size > 1:  # rank 0 alone would move its pages
             return None, "off (tensor parallel)"
+        if self.cfg.role == "decode":
+            # Transferred KV is installed outside the step, past the copy gate: a page just
+            # offloaded could be rewritten before its copy is done.
+            return None, "off (PD decode role)"
         pool = self.runner.cache if hasattr(self.runner, "cache") else self.runner.kv
         return build_host_tier(pool, self.cfg.cache.host_cache_gb, self.runner.device)
 

@@ -137,11 +137,17 @@ class Scheduler:
 
     def finish_fenced(self, req: Request, reason: str) -> Fence:
         """Finish, but keep the request's pages and slot out of the pools until `lift(fence)`:
-        a peer may still be writing into them."""
-        if req.prefix_node is not None:  # only reserved transfers are fenced: they match nothing
-            raise ValueError(f"request {req.rid} shares cached pages: they cannot be fenced")
+        a peer may still be writing into them. Only a reserved transfer is fenced: the cached
+        prefix it shares goes back at once (the peer was told to write only after it)."""
+        if req.status != Status.RESERVED:
+            raise ValueError(f"request {req.rid} is not a reserved transfer: it cannot be fenced")
         self._leave(req, reason)
-        fence = Fence(req.rid, req.pages, req.state_slot)
+        shared = req.matched_tokens // self.page_size
+        if req.prefix_node is not None:
+            self.prefix.unlock(req.prefix_node)
+            req.prefix_node = None
+        self.page_pool.free(req.pages[:shared])
+        fence = Fence(req.rid, req.pages[shared:], req.state_slot)
         req.pages, req.state_slot = [], 0
         self.fences.append(fence)
         return fence
@@ -183,13 +189,18 @@ class Scheduler:
 
     def reserve_transfer(self, req: Request) -> None:
         """Hold the pages of req's prompt (and a state slot) for KV that another engine sends.
+        With a prefix cache, req first shares its longest cached prefix (`req.matched_tokens`:
+        the sender sends only the rest), locked until req ends.
 
         Raises OutOfPages, saying why, unless the request fits next to what running, waiting and
         reserved requests may still need (back-pressure: a refusal now, not an OOM later)."""
+        if self.prefix is not None:
+            self._share_prefix(req)
         committed = sum(self._future_pages(r) for r in self._holders())
         need_all = self._future_pages(req)
         free = self._available() - committed
         if need_all > free:
+            self._unmatch(req)
             raise OutOfPages(
                 f"decode KV cache full: the request needs {need_all} pages, "
                 f"{max(free, 0)} are uncommitted"
@@ -197,12 +208,16 @@ class Scheduler:
         # Waiting requests (preempted ones) need a slot when admitted again.
         slots = self.slot_pool
         if slots is not None and slots.num_free <= len(self.waiting):
+            self._unmatch(req)
             raise OutOfPages(
                 f"decode has no free state slot ({slots.num_usable} in use or promised)"
             )
-        req.pages = self._alloc(self._pages_for(len(req.prompt_ids)))
+        req.pages += self._alloc(self._pages_for(len(req.prompt_ids)) - len(req.pages))
         if slots is not None:
             req.state_slot = slots.alloc(1)[0]
+        if self.prefix is not None:  # metrics: what decode's cache spared the transfer
+            self.prefix.query_tokens += len(req.prompt_ids)
+            self.prefix.hit_tokens += req.matched_tokens
         req.status = Status.RESERVED
         self.reserved.append(req)
 
@@ -212,6 +227,7 @@ class Scheduler:
         take a second slot, dropping the installed state); otherwise it queues for admission."""
         self.reserved.remove(req)
         req.num_computed = len(req.prompt_ids)
+        self._cache_prompt(req, req.matched_tokens)  # later transfers share it from now on
         self.add(req)  # stamps its arrival order (preemption evicts the newest)
         if req.state_slot:
             self.waiting.remove(req)
@@ -287,15 +303,19 @@ class Scheduler:
             return False
         if req.params.prompt_logprobs is not None:  # every prompt position must be computed
             return False
+        req.num_computed = self._share_prefix(req)
+        return True
+
+    def _share_prefix(self, req: Request) -> int:
+        """req takes (and locks) the pages of its longest cached prefix, leaving at least its
+        last known token uncovered; returns how many tokens they hold."""
         pages, node = self.prefix.match(req.token_slice(0, req.num_tokens - 1))
         req.matched_tokens = len(pages) * self.page_size
-        if not pages:
-            return True
-        req.pages = self.page_pool.share(pages)
-        self.prefix.lock(node)
-        req.prefix_node = node
-        req.num_computed = len(pages) * self.page_size
-        return True
+        if pages:
+            req.pages = self.page_pool.share(pages)
+            self.prefix.lock(node)
+            req.prefix_node = node
+        return req.matched_tokens
 
     def _count_hit(self, req: Request) -> None:
         """An admitted request asked the cache: count it (metrics) and, the first time, tell
@@ -307,7 +327,9 @@ class Scheduler:
             req.num_cached_tokens = min(req.num_computed, len(req.prompt_ids))
 
     def _unmatch(self, req: Request) -> None:
-        """Undo `_match` for a request that stays waiting after all."""
+        """Undo `_match` (or a refused reservation's `_share_prefix`) for a request that
+        holds nothing else."""
+        req.matched_tokens = 0
         if req.prefix_node is None:
             return
         self.prefix.unlock(req.prefix_node)
@@ -365,7 +387,8 @@ class Scheduler:
             reserved = sum(self._future_pages(r) for r in self.running + self.reserved)
             need = self._future_pages(req)
             if self._available() - reserved < need and self.running:
-                self._unmatch(req)
+                if queried:  # a transferred request's pages are its KV: it keeps them
+                    self._unmatch(req)
                 break
             n = min(req.num_uncomputed, budget)
             if not self._grow(req, req.num_computed + n):
@@ -374,7 +397,8 @@ class Scheduler:
                     self.finish(req, "error")
                     unfittable.append(req)
                     continue
-                self._unmatch(req)
+                if queried:
+                    self._unmatch(req)
                 break
             self.waiting.popleft()
             if queried:

@@ -106,7 +106,8 @@ class World:
         s.check_integrity()
         tree = set(s.prefix.pages())
         for r in s.running + list(s.waiting) + s.reserved:
-            first_written = r.num_computed // PS  # pages it may still write into
+            # pages it may still write into (a reserved transfer: those after its cached prefix)
+            first_written = max(r.num_computed, r.matched_tokens) // PS
             for page in r.pages[first_written:]:
                 assert page not in tree and s.page_pool.refcount(page) == 1, (
                     f"{r.rid} would write into shared page {page}"
@@ -155,7 +156,7 @@ def test_pool_and_tree_stay_consistent(seed, num_ops, num_pages, budget, ratio, 
         elif kind == "arrive" and pending:
             r = pending.pop(rng.randrange(len(pending)))
             if rng.random() < 0.5:  # its KV arrived: admitted with the first token appended
-                w.write(r, 0, len(r.prompt_ids))
+                w.write(r, r.matched_tokens, len(r.prompt_ids))  # the rest of its cached prefix
                 r.num_computed = len(r.prompt_ids)
                 r.output_ids.append(300)
                 s.admit_transferred(r)

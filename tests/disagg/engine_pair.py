@@ -15,14 +15,18 @@ PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprob
 PD_SECRET = "engine-pair-test-secret"  # what both engines of a pair share
 
 
-def dense_engine(role: str, max_total_tokens: int = 4096, **disagg) -> Engine:
+def dense_engine(
+    role: str, max_total_tokens: int = 4096, prefix_cache: bool = True, **disagg
+) -> Engine:
     """A tiny dense engine (qwen3-tiny, dummy weights); prompts over 32 tokens are chunked."""
     return Engine(
         EngineConfig(
             model="qwen3-tiny",
             load_format="dummy",
             role=role,
-            cache=CacheConfig(max_total_tokens=max_total_tokens, page_size=16),
+            cache=CacheConfig(
+                max_total_tokens=max_total_tokens, page_size=16, prefix_cache=prefix_cache
+            ),
             scheduler=SchedulerConfig(max_num_batched_tokens=32),
             disagg=DisaggConfig(**{"layers_per_chunk": 1, "pd_secret": PD_SECRET, **disagg}),
         )

@@ -106,3 +106,8 @@ def test_prefill_prefix_cache_hits_still_match_single_server(stacks):
     assert pd.prefill.metric("kvrelay_prefix_cache_hit_tokens_total") - hits >= 100
     assert_same_outputs(specs, want, got, rel=1e-4, abs=1e-4)
     pd.wait_idle()
+    # Decode keeps its cache off for DeepSeek-V4, saying why (the compressor state at a
+    # decode-side boundary is not restored yet): it reused nothing.
+    with open(pd.decode.log_path) as f:
+        assert "prefix_cache=off (PD decode role with per-request state)" in f.read()
+    assert pd.decode.metric("kvrelay_prefix_cache_hit_tokens_total") == 0

@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 from conftest import free_port
+from conversations import token_bytes, two_turns
 from openai_calls import client
 from pd_stack import PDStack, metrics, pd_gauges
 
@@ -35,11 +36,11 @@ ERROR_BOUND_S = 15.0  # kill -> every in-flight request has its error (CPU share
 def stack():
     # A fixed KV listener port: the restarted decode is at the same address, so prefill can tell
     # it restarted (a new instance id there).
-    # No prefix cache on prefill: these tests catch requests mid-transfer, and prompts that
+    # No prefix cache on either side: these tests catch requests mid-transfer, and prompts that
     # earlier tests here already sent would otherwise prefill (and transfer) too fast to catch.
     s = PDStack(
         max_total_tokens=8192,
-        decode_args=("--transfer-port", str(free_port())),
+        decode_args=("--transfer-port", str(free_port()), "--disable-prefix-cache"),
         prefill_args=("--disable-prefix-cache",),
     )
     yield s
@@ -138,6 +139,14 @@ def _check_failures(
         assert o["status"] is None or o["status"] >= 500, o
         assert o["code"] in causes, f"error names no known cause: {o}"
     return failed
+
+
+def test_without_decode_prefix_cache_every_turn_moves_its_whole_prompt(stack, server):
+    """Decode's reuse turned off (`--disable-prefix-cache` on decode): a second turn still
+    equals the single server token for token, and its whole prompt's KV moves."""
+    _, got, moved = two_turns(stack, server.url, 1)
+    assert moved == {"bytes": got[0]["prompt_n"] * token_bytes(), "hits": 0}
+    assert got[0]["cached"] == 0  # neither side has a prefix cache here
 
 
 def test_client_disconnect_mid_stream_frees_everything(stack):

@@ -16,13 +16,13 @@ import time
 import httpx
 import openai
 import pytest
+from conversations import token_bytes, two_turns
 from fake_peer import FakePeer
 from openai_calls import assert_same_outputs, client, run_specs
 from pd_stack import PDStack, bootstrap_events, metrics
 
 from kvrelay.disagg import handshake as H
 from kvrelay.disagg import protocol as P
-from kvrelay.models.presets import PRESETS
 
 MODEL = "smollm2"
 STORY = (
@@ -85,15 +85,23 @@ def test_pd_matches_single_server_token_for_token(pd, server):
     assert_same_outputs(specs, want, got, abs=1e-3)
     pd.wait_idle()
     assert pd.router.metric("kvrelay_router_requests_total", '{outcome="error"}') == 0
+    # A stream's outcome is counted when the router's relay closes, a moment after the client
+    # read its last event: wait for it.
+    deadline = time.time() + 10
+    while pd.router.metric("kvrelay_router_requests_total", '{outcome="ok"}') < len(specs):
+        assert time.time() < deadline, "the router never counted every request"
+        time.sleep(0.1)
     assert pd.router.metric("kvrelay_router_requests_total", '{outcome="ok"}') == len(specs)
     _check_transfer_metrics(pd, before, len(specs), sum(g["prompt_n"] for g in got))
 
 
 def _check_transfer_metrics(pd, before: dict, transfers: int, prompt_tokens: int) -> None:
-    """Both sides moved exactly the prompts' KV (every layer's K and V rows, fp32 on CPU), timed
-    each transfer once, and saw the peer connect."""
-    c = PRESETS["smollm2-135m"]  # the embedded SmolLM2's shape
-    want = prompt_tokens * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
+    """Both sides moved exactly the KV of the prompts' tokens that decode did not find in its
+    own prefix cache (every layer's K and V rows, fp32 on CPU), timed each transfer once, and
+    saw the peer connect."""
+    hits = "kvrelay_prefix_cache_hit_tokens_total"
+    reused = metrics(pd.decode.url).get(hits, 0) - before["decode"].get(hits, 0)
+    want = (prompt_tokens - reused) * token_bytes()
     moved = {"prefill": "sent", "decode": "installed"}
     for side, direction in moved.items():
         m, b = metrics(getattr(pd, side).url), before[side]
@@ -124,9 +132,8 @@ def test_sglang_generate_through_the_router(pd, server):
 
 
 def test_prefill_prefix_cache_hit_matches_single_server(pd, server):
-    """A prompt sent twice through PD: the second prefill reuses its cached prefix (reported in
-    the usage decode answers with), decode still gets the whole prompt's KV, and the tokens equal
-    the single server's."""
+    """A prompt sent twice through PD: the second time both sides reuse their cached prefix
+    (reported in the usage decode answers with), and the tokens equal the single server's."""
     kw = dict(
         model=MODEL,
         messages=[{"role": "user", "content": STORY * 5 + "Who climbed the stairs?"}],
@@ -144,6 +151,20 @@ def test_prefill_prefix_cache_hit_matches_single_server(pd, server):
             [x.logprob for x in want.choices[0].logprobs.content], abs=1e-3
         )
     pd.wait_idle()
+
+
+@pytest.mark.parametrize("n", [1, 8])
+def test_second_turn_sends_decode_only_what_it_does_not_hold(pd, server, n):
+    """Two-turn conversations (n at once): == the single server token for token; turn 2's
+    prompt begins with turn 1's, whose full pages decode cached, so prefill sends only the
+    rest: exactly the bytes of the tokens decode did not find, and its usage says so."""
+    first, got, moved = two_turns(pd, server.url, n)
+    prompt = sum(g["prompt_n"] for g in got)
+    held = sum(f["prompt_n"] // 16 * 16 for f in first)  # turn 1's full prompt pages at least
+    assert held <= moved["hits"] < prompt and moved["hits"] % 16 == 0, moved
+    assert moved["bytes"] == (prompt - moved["hits"]) * token_bytes()
+    for f, g in zip(first, got, strict=True):
+        assert g["cached"] >= f["prompt_n"] // 16 * 16
 
 
 def test_first_token_finishes_the_request(pd, server):
