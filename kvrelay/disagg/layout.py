@@ -11,7 +11,8 @@ touch the tensors through these descriptions, so a new cache kind needs no chang
   open window). Only its value after the whole prompt matters: it is sent once, at the end.
 - `shard` (rank, world): the tensor holds only part `rank` of `world` equal parts of each row's
   first dim (a dense model's KV heads under tensor parallel). The layout describes, and the
-  transfer moves, whole rows; installing keeps this rank's part.
+  transfer moves, whole rows; installing keeps this rank's part, sending first gathers every
+  rank's part (engine/tp_gather.py).
 """
 
 from __future__ import annotations

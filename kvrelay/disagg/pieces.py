@@ -38,8 +38,14 @@ def expected_bytes(kinds: list[CacheKind], rows: list[torch.Tensor]) -> int:
 
 def gather_rows(kinds: list[CacheKind], rows: list[torch.Tensor]) -> torch.Tensor:
     """Each kind's rows, in order, as one byte tensor on the cache's device."""
-    if any(k.shard[1] > 1 for k in kinds):  # refused at startup (a TP prefill of a dense model)
+    if any(k.shard[1] > 1 for k in kinds):  # every rank's part first: engine/tp_gather.py
         raise ValueError("a sharded cache kind holds part of each row: it cannot be sent whole")
+    return local_rows(kinds, rows)
+
+
+def local_rows(kinds: list[CacheKind], rows: list[torch.Tensor]) -> torch.Tensor:
+    """Each kind's rows as this rank's tensors hold them (a sharded kind: its part), in order,
+    as one byte tensor on the cache's device."""
     parts = [k.byte_rows.index_select(0, r).reshape(-1) for k, r in zip(kinds, rows, strict=True)]
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
 

@@ -424,7 +424,11 @@ class PrefillSender(TransferAgent):
         if t.peer.remote is not None:
             return self._write_in_place(t, kinds, rows, start, end)
         began = time.monotonic()
-        buf = gather(kinds, rows)
+        if kinds[0].shard[1] > 1:  # dense TP: each rank holds its KV heads (engine/tp_gather.py)
+            n = len(req.prompt_ids)
+            buf = runner.gather_piece(kinds, req.pages, req.state_slot, start, end, n)
+        else:
+            buf = gather(kinds, rows)
         hdr = P.ChunkHeader(
             t.pd.transfer_id,
             req.rid,

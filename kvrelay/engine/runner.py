@@ -15,7 +15,7 @@ from kvrelay.cache.kv_pool import KVPool, bytes_per_token
 from kvrelay.cache.paging import pages_for
 from kvrelay.config import EngineConfig
 from kvrelay.disagg.layout import PAGE, CacheKind
-from kvrelay.engine import prompt_logprobs, tp_install, tp_step
+from kvrelay.engine import prompt_logprobs, tp_gather, tp_install, tp_step
 from kvrelay.engine.batch import ForwardBatch, prepare
 from kvrelay.engine.prompt_logprobs import StepLogits
 from kvrelay.engine.scheduler import ScheduledRequest
@@ -159,6 +159,19 @@ class ModelRunner:
             self.tp, self.device, tp_step.HEADER, self._layout(), self.page_size, piece
         )
 
+    def gather_piece(
+        self, kinds: list[CacheKind], pages: list[int], slot: int, start: int, end: int,
+        prompt_len: int,
+    ) -> memoryview:  # fmt: skip
+        """A PD prefill server with TP: a piece's whole rows, every rank's KV heads put together."""
+        index = {k.name: i for i, k in enumerate(self._layout())}
+        facts = tp_install.PieceFacts(
+            [index[k.name] for k in kinds], list(pages), slot, start, end, prompt_len
+        )
+        return tp_gather.gather_whole(
+            self.tp, self.device, tp_step.HEADER, self._layout(), self.page_size, facts
+        )
+
     def _layout(self) -> list[CacheKind]:
         if self._kinds is None:
             self._kinds = self.transfer_layout()
@@ -209,6 +222,8 @@ class ModelRunner:
         while (fb := tp_step.recv_batch(self.tp, self.device)) is not None:
             if isinstance(fb, tp_install.InstallPiece):
                 tp_install.install(self._layout(), self.page_size, fb)
+            elif isinstance(fb, tp_gather.GatherPiece):
+                tp_gather.contribute(self.tp, self._layout(), self.page_size, fb)
             else:
                 self.forward_batch(fb)
 

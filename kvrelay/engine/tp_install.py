@@ -19,12 +19,12 @@ from kvrelay.disagg.layout import CacheKind
 from kvrelay.disagg.pieces import piece_rows, scatter
 from kvrelay.layers.parallel import TPGroup
 
-INSTALL = 2  # a step header kind (STOP = 0, STEP = 1 in tp_step and dsv4_step)
+INSTALL = 2  # a step header kind (STOP = 0, STEP = 1 in tp_step and dsv4_step, GATHER = 3)
 
 
 @dataclass(frozen=True)
-class InstallPiece:
-    """A verified payload and the facts its rows derive from (`piece_rows`)."""
+class PieceFacts:
+    """The facts a piece's rows derive from (`piece_rows`): the same on every rank."""
 
     kinds: list[int]  # indices into the runner's transfer_layout()
     pages: list[int]
@@ -32,13 +32,26 @@ class InstallPiece:
     start: int
     end: int
     prompt_len: int
+
+    def rows(
+        self, layout: list[CacheKind], page_size: int
+    ) -> tuple[list[CacheKind], list[torch.Tensor]]:
+        """This rank's kinds of the piece and, per kind, its row indices."""
+        ks = [layout[i] for i in self.kinds]
+        s, e, n = self.start, self.end, self.prompt_len
+        return ks, piece_rows(ks, self.pages, self.slot, page_size, s, e, n)
+
+
+@dataclass(frozen=True)
+class InstallPiece(PieceFacts):
+    """A verified payload and the facts its rows derive from."""
+
     payload: memoryview | torch.Tensor | None  # None: every row range is empty
 
 
 def install(kinds: list[CacheKind], page_size: int, p: InstallPiece) -> None:
     """Install the piece into this rank's pools."""
-    ks = [kinds[i] for i in p.kinds]
-    scatter(ks, piece_rows(ks, p.pages, p.slot, page_size, p.start, p.end, p.prompt_len), p.payload)
+    scatter(*p.rows(kinds, page_size), p.payload)
 
 
 def install_everywhere(
@@ -51,12 +64,26 @@ def install_everywhere(
     install(kinds, page_size, p)
 
 
-def _send(tp: TPGroup, device: torch.device, header_len: int, p: InstallPiece) -> None:
+def send_facts(
+    tp: TPGroup, device: torch.device, header_len: int, kind: int, p: PieceFacts, nbytes: int = 0
+) -> None:
+    """Rank 0, between steps: a step header of `kind` (INSTALL, tp_gather.GATHER), the facts."""
     facts = [p.slot, p.start, p.end, p.prompt_len, len(p.kinds), *p.kinds, *p.pages]
-    nbytes = 0 if p.payload is None else p.payload.nbytes
-    head = [INSTALL, len(facts), nbytes] + [0] * (header_len - 3)
+    head = [kind, len(facts), nbytes] + [0] * (header_len - 3)
     tp.broadcast(torch.tensor(head, dtype=torch.int64, device=device))
     tp.broadcast(torch.tensor(facts, dtype=torch.int64, device=device))
+
+
+def recv_facts(tp: TPGroup, device: torch.device, head: list[int]) -> PieceFacts:
+    """A follower, after a header `send_facts` sent: the facts."""
+    facts = tp.broadcast(torch.empty(head[1], dtype=torch.int64, device=device)).tolist()
+    slot, start, end, prompt_len, n_kinds = facts[:5]
+    return PieceFacts(facts[5 : 5 + n_kinds], facts[5 + n_kinds :], slot, start, end, prompt_len)
+
+
+def _send(tp: TPGroup, device: torch.device, header_len: int, p: InstallPiece) -> None:
+    nbytes = 0 if p.payload is None else p.payload.nbytes
+    send_facts(tp, device, header_len, INSTALL, p, nbytes)
     if nbytes:
         buf = p.payload
         if not isinstance(buf, torch.Tensor):
@@ -66,11 +93,8 @@ def _send(tp: TPGroup, device: torch.device, header_len: int, p: InstallPiece) -
 
 def recv(tp: TPGroup, device: torch.device, head: list[int]) -> InstallPiece:
     """A follower, after a header of kind INSTALL: the piece rank 0 sent."""
-    _, n_facts, nbytes = head[:3]
-    facts = tp.broadcast(torch.empty(n_facts, dtype=torch.int64, device=device)).tolist()
-    slot, start, end, prompt_len, n_kinds = facts[:5]
-    kinds, pages = facts[5 : 5 + n_kinds], facts[5 + n_kinds :]
+    f, nbytes = recv_facts(tp, device, head), head[2]
     payload = None
     if nbytes:
         payload = tp.broadcast(torch.empty(nbytes, dtype=torch.uint8, device=device))
-    return InstallPiece(kinds, pages, slot, start, end, prompt_len, payload)
+    return InstallPiece(f.kinds, f.pages, f.slot, f.start, f.end, f.prompt_len, payload)

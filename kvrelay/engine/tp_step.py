@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from kvrelay.engine import tp_install
+from kvrelay.engine import tp_gather, tp_install
 from kvrelay.engine.batch import ForwardBatch
+from kvrelay.engine.tp_gather import GatherPiece
 from kvrelay.engine.tp_install import InstallPiece
 from kvrelay.layers.attention import AttentionMetadata
 from kvrelay.layers.parallel import TPGroup
@@ -43,14 +44,18 @@ def send_stop(tp: TPGroup, device: torch.device) -> None:
     tp.broadcast(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64, device=device))
 
 
-def recv_batch(tp: TPGroup, device: torch.device) -> ForwardBatch | InstallPiece | None:
-    """The batch rank 0 sent (or a KV piece to install), or None when it said stop."""
+def recv_batch(
+    tp: TPGroup, device: torch.device
+) -> ForwardBatch | InstallPiece | GatherPiece | None:
+    """The batch rank 0 sent (or a KV piece to install or to gather), or None when it said stop."""
     header = tp.broadcast(torch.empty(HEADER, dtype=torch.int64, device=device)).tolist()
     kind, t, b, pages, n, max_q_len, is_decode = header
     if kind == STOP:
         return None
     if kind == tp_install.INSTALL:  # a PD decode server: KV rank 0 received, for every rank
         return tp_install.recv(tp, device, header)
+    if kind == tp_gather.GATHER:  # a PD prefill server: rank 0 sends a piece of every rank's KV
+        return tp_gather.recv(tp, device, header)
     payload = tp.broadcast(
         torch.empty(3 * t + b * pages + 2 * b + 1 + n, dtype=torch.int64, device=device)
     )

@@ -73,11 +73,12 @@ def check_supported(cfg: EngineConfig, src: ModelSource) -> None:
         check_parallel(cfg, pick_device(cfg.device))
     elif family is not registry.DENSE:
         raise ValueError(f"tensor parallel does not serve {family.name} models yet")
-    elif cfg.role == "prefill":  # rank 0 holds only its KV heads: sending would need a gather
-        raise ValueError("a dense model's tensor parallel serves the single and decode roles only")
-    elif cfg.role == "decode" and cfg.disagg.transfer_backend != "tcp":
-        # cuda_ipc writes whole rows into rank 0's pages, which hold only its KV heads
-        raise ValueError("a dense model's tensor-parallel decode role needs --transfer-backend tcp")
+    elif cfg.role != "single" and cfg.disagg.transfer_backend != "tcp":
+        # cuda_ipc copies whole rows between rank 0's pages and the peer's; rank 0's pages hold
+        # only its KV heads (tcp: prefill gathers every rank's heads, decode hands them out)
+        raise ValueError(
+            f"a dense model's tensor-parallel {cfg.role} role needs --transfer-backend tcp"
+        )
 
 
 def start_followers(cfg: EngineConfig) -> tuple[list[subprocess.Popen], int]:

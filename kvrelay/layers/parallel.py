@@ -63,6 +63,16 @@ class TPGroup:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
+    def gather(self, x: torch.Tensor, dst: int = 0) -> list[torch.Tensor] | None:
+        """Every rank's `x` (one shape on every rank) on rank `dst`, in rank order; None elsewhere."""
+        import torch.distributed as dist
+
+        if not self.is_parallel:
+            return [x]
+        parts = [torch.empty_like(x) for _ in range(self.world)] if self.rank == dst else None
+        dist.gather(x.contiguous(), parts, dst=dst, group=self.group)
+        return parts
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         import torch.distributed as dist
 

@@ -1,6 +1,8 @@
-"""Dense PD with a tensor-parallel decode side == one TP=1 server: prefill TP=1 sends
-whole KV rows; decode's rank 0 receives them and hands each piece to rank 1, and each rank keeps
-its KV-head shard (engine/tp_install.py, `CacheKind.shard`).
+"""Dense PD with tensor parallel on either side == one TP=1 server. Whole KV rows travel: a TP=1
+prefill reads them from its pool; a TP=2 prefill's rank 0 gathers every rank's KV heads first
+(engine/tp_gather.py). A TP=2 decode's rank 0 receives them and hands each piece to rank 1, and
+each rank keeps its KV-head shard (engine/tp_install.py, `CacheKind.shard`). Pairs: prefill TP=1
+-> decode TP=2, prefill TP=2 -> decode TP=1, prefill TP=2 -> decode TP=2.
 
 qwen3-tiny (dummy weights, float32 on the CPU, 2 KV heads: 1 per rank); prefill runs 64-token
 chunks, so the longer prompts travel in several pieces. Greedy text must be identical; logprobs
@@ -9,9 +11,12 @@ agree within 1e-4 (TP sums float32 partial sums in another order than one rank).
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
+from conftest import ServerProcess
 from openai_calls import assert_same_outputs, run_specs
-from pd_stack import PDStack
+from pd_stack import PD_SECRET, PDStack, RouterProcess, engine_threads
 
 from kvrelay.config import DisaggConfig, EngineConfig
 from kvrelay.engine.tp_worker import check_supported
@@ -24,37 +29,68 @@ STORY = "The old lighthouse keeper climbed the spiral stairs every evening, coun
 
 @pytest.fixture(scope="module")
 def pd():
-    stack = PDStack(decode_args=("--tensor-parallel-size", "2"), max_total_tokens=4096, model=SERVE)
-    yield stack
-    stack.close()
+    """The PD stack (prefill TP=1, decode TP=2), a TP=2 prefill and a TP=1 decode, all started
+    side by side: (stack, {pair name: its router})."""
+    TP2 = ("--tensor-parallel-size", "2")
+    pd_common = (*SERVE, "--max-total-tokens", "4096", "--pd-secret", PD_SECRET)
+    with engine_threads(), ThreadPoolExecutor(3) as ex:
+        fs = ex.submit(PDStack, decode_args=TP2, max_total_tokens=4096, model=SERVE)
+        fp2 = ex.submit(
+            ServerProcess, *pd_common, "--role", "prefill", "--max-num-batched-tokens", "64", *TP2
+        )
+        fd1 = ex.submit(ServerProcess, *pd_common, "--role", "decode")
+    futures, routers = (fs, fp2, fd1), []
+    try:
+        stack, p2, d1 = (f.result() for f in futures)
+        with ThreadPoolExecutor(2) as ex:
+            fr = [
+                ex.submit(RouterProcess, [p2.url], [d.url], "--pd-secret", PD_SECRET)
+                for d in (d1, stack.decode)
+            ]
+        routers = [f.result() for f in fr if f.exception() is None]
+        assert len(routers) == 2, [f.exception() for f in fr]
+        yield stack, {"p1-d2": stack.router, "p2-d1": routers[0], "p2-d2": routers[1]}
+    finally:
+        for r in routers:
+            r.close()
+        for f in futures:
+            if f.exception() is None:
+                f.result().close()
 
 
-def test_pd_with_tp2_decode_matches_single_server(pd):
-    """The reference is prefill's own TP=1 server answering plain requests (no PD fields: it
-    runs them whole, as a single server does): one server fewer to start."""
+_want: list[dict] = []  # the reference's answers, asked once
+
+
+@pytest.mark.parametrize("pair", ["p1-d2", "p2-d1", "p2-d2"])
+def test_pd_with_tp_matches_single_server(pd, pair: str):
+    """The reference is the TP=1 prefill server answering plain requests (no PD fields: it runs
+    them whole, as a single server does): one server fewer to start."""
+    stack, routers = pd
     prompts = ["Hello there", STORY * 4, STORY * 9 + "1, 2, 3,"]  # up to ~170 tokens
     specs = [
         {"kind": "completion", "prompt": p, "stream": i == 1, "max_tokens": 12, "logprobs": 2}
         for i, p in enumerate(prompts)
     ]
-    want = run_specs(pd.prefill.url, MODEL, specs)
-    got = run_specs(pd.router.url, MODEL, specs)
-    assert_same_outputs(specs, want, got, rel=1e-4, abs=1e-4)
-    assert all(r["text"] for r in want)
-    pd.wait_idle()
-    assert pd.router.metric("kvrelay_router_requests_total", '{outcome="error"}') == 0
+    if not _want:
+        _want.extend(run_specs(stack.prefill.url, MODEL, specs))
+    got = run_specs(routers[pair].url, MODEL, specs)
+    assert_same_outputs(specs, _want, got, rel=1e-4, abs=1e-4)
+    assert all(r["text"] for r in _want)
+    if pair == "p1-d2":
+        stack.wait_idle()
+    assert routers[pair].metric("kvrelay_router_requests_total", '{outcome="error"}') == 0
 
 
 @pytest.mark.parametrize(
     "role, backend, why",
     [
-        ("prefill", "tcp", "single and decode roles only"),
-        ("decode", "cuda_ipc", "needs --transfer-backend tcp"),
+        ("prefill", "cuda_ipc", "prefill role needs --transfer-backend tcp"),
+        ("decode", "cuda_ipc", "decode role needs --transfer-backend tcp"),
     ],
 )
 def test_unsupported_dense_tp_roles_are_refused(role: str, backend: str, why: str):
-    """Rank 0 holds only its KV heads: it cannot send a prefill's cache whole, and cuda_ipc would
-    write whole rows into its pages."""
+    """Rank 0's pages hold only its KV heads: cuda_ipc would copy whole rows out of them
+    (prefill) or into them (decode)."""
     cfg = EngineConfig(
         model=MODEL,
         load_format="dummy",

@@ -118,3 +118,23 @@ def test_sharded_kind_describes_whole_rows_and_installs_its_heads():
     assert torch.equal(got.flatten(), torch.arange(24, dtype=torch.float32))
     with pytest.raises(ValueError, match="cannot be sent whole"):
         gather_rows(shards[:1], [rows])
+
+
+def test_tp_gather_joins_every_ranks_heads_into_whole_rows():
+    """A dense TP prefill's rank 0 puts each rank's part of the rows back together
+    (engine/tp_gather.py): bitwise the rows a TP=1 pool holds, kind after kind."""
+    from kvrelay.disagg.pieces import gather_rows, local_rows
+    from kvrelay.engine.tp_gather import join
+
+    torch.manual_seed(0)
+    wholes = [CacheKind(f"L0.{n}", torch.randn(3, 4, 6, 2), PAGE, 0) for n in "kv"]
+    ranks = [
+        [
+            CacheKind(w.name, w.tensor[:, :, 3 * r : 3 * r + 3], PAGE, 0, shard=(r, 2))
+            for w in wholes
+        ]
+        for r in (0, 1)
+    ]  # each rank's pools: its 3 of the 6 kv heads
+    rows = [torch.tensor([5, 6, 9]), torch.tensor([5, 6, 9])]
+    parts = [local_rows(kinds, rows) for kinds in ranks]
+    assert torch.equal(join(ranks[0], rows, parts), gather_rows(wholes, rows))

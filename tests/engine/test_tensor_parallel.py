@@ -17,6 +17,7 @@ import torch
 import torch.distributed
 
 from kvrelay.config import CacheConfig, EngineConfig
+from kvrelay.disagg.pieces import gather, piece_rows
 from kvrelay.engine.engine import Engine, generate
 from kvrelay.engine.messages import SamplingParams
 from kvrelay.engine.request import Request
@@ -56,21 +57,48 @@ def _config(tp: int) -> EngineConfig:
     )
 
 
+def _pages(engine: Engine) -> list[list[int]]:
+    """Each prompt's KV pages in `_prefill_logits` (from page 1 on)."""
+    out, page = [], 1
+    for ids in PROMPTS:
+        n = -(-len(ids) // engine.runner.page_size)
+        out.append(list(range(page, page + n)))
+        page += n
+    return out
+
+
 def _prefill_logits(engine: Engine) -> torch.Tensor:
     """Logits of one prefill batch of every prompt, straight through the runner."""
-    batch, page = [], 1
-    for i, ids in enumerate(PROMPTS):
+    batch = []
+    for i, (ids, pages) in enumerate(zip(PROMPTS, _pages(engine), strict=True)):
         req = Request(f"p{i}", ids, PARAMS, i)
-        n = -(-len(ids) // engine.runner.page_size)
-        req.pages, page = list(range(page, page + n)), page + n
+        req.pages = pages
         batch.append(ScheduledRequest(req, len(ids)))
     return engine.runner.forward(batch)
 
 
-def _run(engine: Engine) -> tuple[torch.Tensor, list[list[int]]]:
+def _sent_rows(engine: Engine) -> torch.Tensor:
+    """What a PD prefill would send of each prompt's KV after `_prefill_logits`, as floats
+    [prompt tokens, cache kinds, whole row]: TP=1 reads its pool; TP=2 gathers every rank's KV
+    heads to rank 0 (engine/tp_gather.py)."""
+    runner = engine.runner
+    kinds, out = runner.transfer_layout(), []
+    for ids, pages in zip(PROMPTS, _pages(engine), strict=True):
+        n = len(ids)
+        if runner.tp.is_parallel:
+            buf = runner.gather_piece(kinds, pages, 0, 0, n, n)
+        else:
+            buf = gather(kinds, piece_rows(kinds, pages, 0, runner.page_size, 0, n, n))
+        rows = torch.frombuffer(bytearray(buf), dtype=torch.float32)
+        out.append(rows.view(len(kinds), n, -1).transpose(0, 1))
+    return torch.cat(out)
+
+
+def _run(engine: Engine) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
     logits = _prefill_logits(engine)
+    kv = _sent_rows(engine)  # before generate() reuses the pages
     outs = generate(engine, PROMPTS, PARAMS)
-    return logits, [[t for o in out for t in o.token_ids] for out in outs]
+    return logits, kv, [[t for o in out for t in o.token_ids] for out in outs]
 
 
 def _rank(rank: int, port: int, name: str, results) -> None:
@@ -84,10 +112,10 @@ def _rank(rank: int, port: int, name: str, results) -> None:
     init_distributed(0, 2, "127.0.0.1", port, "cpu")
     engine = Engine(cfg, src)
     try:
-        logits, tokens = _run(engine)
+        logits, kv, tokens = _run(engine)
         rejected = generate(engine, [[1, 2, 3]], msgspec.structs.replace(PARAMS, prompt_logprobs=1))
         assert rejected[0][0].finish_reason == "rejected", rejected  # not a failed step
-        results.put((logits.numpy(), tokens))  # numpy: a tensor would travel as shared memory
+        results.put((logits.numpy(), kv.numpy(), tokens))  # numpy: not shared memory
     finally:
         engine.runner.stop_followers()
         torch.distributed.destroy_process_group()
@@ -108,7 +136,7 @@ def test_tp2_matches_tp1_greedy_and_logits(name):
     for p in procs:
         p.start()
     try:
-        logits, tokens = results.get(timeout=80)
+        logits, kv, tokens = results.get(timeout=80)
     finally:
         for p in procs:
             p.join(timeout=60)
@@ -117,11 +145,19 @@ def test_tp2_matches_tp1_greedy_and_logits(name):
     assert [p.exitcode for p in procs] == [0, 0]
 
     torch.set_num_threads(1)
-    want_logits, want_tokens = _run(Engine(_config(1), _source(name)))
+    want_logits, want_kv, want_tokens = _run(Engine(_config(1), _source(name)))
     logits = torch.from_numpy(logits)
     assert logits.shape == want_logits.shape
     torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
     assert tokens == want_tokens
+    # The rows a TP=2 PD prefill sends (every rank's KV heads gathered to rank 0) are TP=1's.
+    # Layer 0's K and V come from the embedding (an exact masked sum) and this rank's slice of
+    # the same qkv dot products: bitwise. Later layers read hidden states that went through
+    # row-parallel all-reduces (partial sums added in another order): equal within 1e-5.
+    kv = torch.from_numpy(kv)
+    assert kv.shape == want_kv.shape
+    assert torch.equal(kv[:, :2], want_kv[:, :2])
+    torch.testing.assert_close(kv, want_kv, atol=1e-5, rtol=1e-5)
 
 
 def test_kv_heads_must_divide_by_tp():
