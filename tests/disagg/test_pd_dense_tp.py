@@ -51,11 +51,9 @@ def pd():
         assert len(routers) == 2, [f.exception() for f in fr]
         yield stack, {"p1-d2": stack.router, "p2-d1": routers[0], "p2-d2": routers[1]}
     finally:
-        for r in routers:
-            r.close()
-        for f in futures:
-            if f.exception() is None:
-                f.result().close()
+        up = routers + [f.result() for f in futures if f.exception() is None]
+        with ThreadPoolExecutor(len(up) or 1) as ex:  # side by side: each waits for its exit
+            list(ex.map(lambda p: p.close(), up))
 
 
 _want: list[dict] = []  # the reference's answers, asked once
