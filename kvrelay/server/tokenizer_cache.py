@@ -49,5 +49,7 @@ def gguf_tokenizer(model_dir: str, gguf_file: str):
             except OSError:  # another process put the same entry there first
                 shutil.rmtree(tmp, ignore_errors=True)
         except OSError as e:  # a read-only home: convert every time, as before
-            log.warning("tokenizer cache not written (%s); the tokenizer is converted each start", e)
+            log.warning(
+                "tokenizer cache not written (%s); the tokenizer is converted each start", e
+            )
     return tok

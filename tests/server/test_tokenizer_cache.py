@@ -3,8 +3,6 @@ renders the chat template exactly as the fresh conversion does."""
 
 from __future__ import annotations
 
-import os
-
 from kvrelay.server.tokenizer_cache import gguf_tokenizer
 from kvrelay.weights.loader import resolve
 
