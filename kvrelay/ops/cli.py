@@ -21,8 +21,16 @@ def add_up_parser(subparsers) -> argparse.ArgumentParser:
     u.add_argument("--decode-port", type=int, default=0, help="decode HTTP port (0: any)")
     u.add_argument("--transfer-port", type=int, default=0, help="decode KV listener port (0: any)")
     u.add_argument("--log-dir", default="kvrelay-logs", help="one log file per process goes here")
-    u.add_argument("--prefill-gpus", default=None, help="CUDA_VISIBLE_DEVICES of prefill, e.g. 0-3")
-    u.add_argument("--decode-gpus", default=None, help="CUDA_VISIBLE_DEVICES of decode, e.g. 4,5")
+    u.add_argument(
+        "--prefill-gpus",
+        default=None,
+        help="CUDA_VISIBLE_DEVICES of prefill, e.g. 0-3 (N GPUs: TP=N)",
+    )
+    u.add_argument(
+        "--decode-gpus",
+        default=None,
+        help="CUDA_VISIBLE_DEVICES of decode, e.g. 4,5 (N GPUs: TP=N)",
+    )
     u.add_argument("--model", default=None, help="passed to both servers (see `kvrelay serve`)")
     u.add_argument("--load-format", default=None, choices=["auto", "dummy"])
     u.add_argument("--max-total-tokens", type=int, default=None)

@@ -146,6 +146,9 @@ def build_specs(cfg: LaunchConfig) -> list[ChildSpec]:
         if role == "decode":
             argv += ["--transfer-host", cfg.server_host, "--transfer-port", str(tport)]
         argv += [*cfg.server_args, *extra]
+        ranks = len(gpus.split(",")) if gpus else 1
+        if ranks > 1 and "--tensor-parallel-size" not in argv:  # a side's GPUs are its TP ranks
+            argv += ["--tensor-parallel-size", str(ranks)]
         url = f"http://{cfg.server_host}:{port}"
         return ChildSpec(role, argv, env, url, logs / f"{role}.log")
 

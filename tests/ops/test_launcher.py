@@ -5,6 +5,7 @@ a clean Ctrl-C with no child left.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import re
@@ -127,7 +128,16 @@ def test_build_specs_ports_gpus_and_logs(tmp_path):
     assert (p.name, d.name, r.name) == ("prefill", "decode", "router")
     assert p.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3" and d.env["CUDA_VISIBLE_DEVICES"] == "4,5"
     assert d.argv[d.argv.index("--transfer-port") + 1] == "45678"
-    assert "--transfer-port" not in p.argv and p.argv[-2:] == ["--model", "smollm2"]
+    assert "--transfer-port" not in p.argv and p.argv[-4:-2] == ["--model", "smollm2"]
+    # Each side's GPUs are its tensor-parallel ranks, so the two sizes may differ.
+    assert p.argv[-2:] == ["--tensor-parallel-size", "4"]
+    assert d.argv[-2:] == ["--tensor-parallel-size", "2"]
+    one = build_specs(
+        dataclasses.replace(cfg, decode_gpus="7", prefill_args=("--tensor-parallel-size", "1"))
+    )
+    assert one[0].argv.count("--tensor-parallel-size") == 1 and one[0].argv[-1] == "1"
+    assert "--tensor-parallel-size" not in one[1].argv  # one GPU: no TP
+    assert "--tensor-parallel-size" not in build_specs(LaunchConfig(log_dir=str(tmp_path)))[0].argv
     assert r.argv[r.argv.index("--prefill") + 1] == p.url
     assert r.argv[r.argv.index("--decode") + 1] == d.url
     assert {s.log_path.name for s in (p, d, r)} == {"prefill.log", "decode.log", "router.log"}
