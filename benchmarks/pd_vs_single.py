@@ -73,8 +73,12 @@ def start(mode: str, a: argparse.Namespace, log_dir: str) -> tuple[subprocess.Po
             extra += ["--transfer-backend", "cuda_ipc"]
         cmd = ["up", "--port", str(port), "--log-dir", os.path.join(log_dir, mode), *common]
         cmd += [f"--server-args={shlex.join(extra)}"]
-        if a.gpus is not None:
-            cmd += ["--prefill-gpus", a.gpus, "--decode-gpus", a.gpus]
+        for side, gpus in (
+            ("prefill", a.prefill_gpus or a.gpus),
+            ("decode", a.decode_gpus or a.gpus),
+        ):
+            if gpus is not None:  # N GPUs on a side: `up` runs it tensor-parallel over N ranks
+                cmd += [f"--{side}-gpus", gpus]
     log = open(os.path.join(log_dir, f"{mode}.log"), "w")  # noqa: SIM115 (lives with the process)
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvrelay.cli", *cmd],
@@ -156,6 +160,8 @@ def main() -> None:
     p.add_argument("--dtype", default="auto", help="bfloat16 on GPU; float32 for exact verify")
     p.add_argument("--tokenizer", default=None, help="HF tokenizer dir for the servers")
     p.add_argument("--gpus", default=None, help="CUDA_VISIBLE_DEVICES of both PD servers")
+    p.add_argument("--prefill-gpus", default=None, help="prefill's GPUs (default --gpus; N: TP=N)")
+    p.add_argument("--decode-gpus", default=None, help="decode's GPUs (default --gpus; N: TP=N)")
     p.add_argument("--verify-prompts", type=int, default=16, help="0: no verify")
     p.add_argument("--start-timeout", type=float, default=300)
     p.add_argument("--bench-timeout", type=float, default=900)
