@@ -14,15 +14,13 @@ import random
 import time
 
 import pytest
-import torch
+from host_tier_workload import PARAMS, random_ids, tokens_of, workload
 from test_dsv4_prefix_cache import make_engine as make_dsv4
 
 from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvrelay.engine.engine import Engine, generate
-from kvrelay.engine.messages import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-PARAMS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=0)
 SMOL_PAGE_BYTES = 184_320  # SmolLM2-135M, float32, 4 tokens
 DSV4_PAGE_BYTES = 46_848  # dsv4-tiny, float32, 16 tokens
 
@@ -58,36 +56,6 @@ def dsv4(host_pages: int = 0, prefix_cache: bool = True) -> Engine:
     )
 
 
-def _ids(n: int, seed: int, vocab: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, vocab, (n,), generator=g).tolist()
-
-
-def workload(engine: Engine) -> list[tuple[list[int], list[float], int]]:
-    """4 conversations (a shared trunk of 2.5 pages, 3 pages of their own) one at a time;
-    their second turns one at a time; then 16 third turns in one batch. Per request: (tokens,
-    logprobs, cached tokens)."""
-    vocab, p = engine.src.config.vocab_size, engine.runner.page_size
-    trunk = _ids(2 * p + p // 2, 1, vocab)
-    first = [trunk + _ids(3 * p, 10 + i, vocab) for i in range(4)]
-    second = [ids + _ids(p // 2 + 1, 20 + i, vocab) for i, ids in enumerate(first)]
-    third = [second[i % 4] + _ids(1 + i % p, 30 + i, vocab) for i in range(16)]
-    outs = [generate(engine, [ids], PARAMS)[0] for ids in first + second]
-    outs += generate(engine, third, PARAMS)
-    return [
-        (
-            [t for o in out for t in o.token_ids],
-            [lp for o in out for lp in o.logprobs],
-            out[0].num_cached_tokens,
-        )
-        for out in outs
-    ]
-
-
-def _tokens(results) -> list[list[int]]:
-    return [r[0] for r in results]
-
-
 def _check_round_trips(engine: Engine, results) -> None:
     tier = engine.host_tier
     assert tier.offloaded > 0 and tier.loaded > 0
@@ -108,13 +76,13 @@ def smol_runs() -> dict:
 
 
 def test_smollm2_hits_through_host_memory_equal_cache_off(smol_runs) -> None:
-    assert _tokens(smol_runs["on"]) == _tokens(smol_runs["off"])
+    assert tokens_of(smol_runs["on"]) == tokens_of(smol_runs["off"])
 
 
 def test_dsv4_hits_through_host_memory_equal_cache_off() -> None:
     on = dsv4(host_pages=24)
     got = workload(on)
-    assert _tokens(got) == _tokens(workload(dsv4(prefix_cache=False)))
+    assert tokens_of(got) == tokens_of(workload(dsv4(prefix_cache=False)))
     _check_round_trips(on, got)
 
 
@@ -150,13 +118,13 @@ def test_a_failed_copy_fails_every_later_step_never_a_wrong_answer(monkeypatch) 
 
     vocab, p = engine.src.config.vocab_size, engine.runner.page_size
     for i in range(4):  # fill the device pool so that later conversations push pages out
-        generate(engine, [_ids(4 * p, 50 + i, vocab)], PARAMS)
+        generate(engine, [random_ids(4 * p, 50 + i, vocab)], PARAMS)
     monkeypatch.setattr(gate, "delay", boom)
-    out = generate(engine, [_ids(4 * p, 60, vocab)], PARAMS)[0]
+    out = generate(engine, [random_ids(4 * p, 60, vocab)], PARAMS)[0]
     assert out[-1].finish_reason == "error" and "host copy failed (test)" in out[-1].error
     failed = engine.failed_steps
     assert failed >= 1 and gate.broken is not None
     monkeypatch.setattr(gate, "delay", None)
-    later = generate(engine, [_ids(2 * p, 70, vocab)], PARAMS)[0]
+    later = generate(engine, [random_ids(2 * p, 70, vocab)], PARAMS)[0]
     assert later[-1].finish_reason == "error" and "host tier copy failed" in later[-1].error
     assert engine.failed_steps > failed

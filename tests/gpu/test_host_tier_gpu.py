@@ -1,0 +1,61 @@
+"""The prefix cache's host tier on CUDA: a pinned host store, copies on the gate's copy stream, the
+compute stream waiting on its event, Triton kernels and CUDA graphs on (float32, SmolLM2's shape
+with dummy weights). Hits through host memory give the tokens and logprobs of a cache-off engine,
+and with the copy stream stalled inside every copy (torch.cuda._sleep) the outputs stay bitwise
+the same: a forward that did not wait at the gate would read pages still being copied."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from host_tier_workload import tokens_of, workload
+
+from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvrelay.engine.engine import Engine
+
+pytestmark = pytest.mark.gpu
+PAGE_BYTES = 737_280  # SmolLM2-135M shape, float32, 16 tokens
+
+
+def _engine(prefix_cache: bool = True, host_pages: int = 0) -> Engine:
+    """12 device pages of 16 tokens (about two conversations of the workload)."""
+    return Engine(
+        EngineConfig(
+            model="smollm2-135m",
+            load_format="dummy",
+            dtype="float32",
+            cache=CacheConfig(
+                max_total_tokens=12 * 16,
+                prefix_cache=prefix_cache,
+                host_cache_gb=host_pages * PAGE_BYTES / (1 << 30),
+            ),
+            scheduler=SchedulerConfig(max_num_batched_tokens=256, kv_reserve_ratio=0.0),
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    on = _engine(host_pages=24)
+    assert (
+        on.host_tier is not None
+        and on.host_tier.gate.host[next(iter(on.host_tier.gate.host))].is_pinned()
+    )
+    return {"engine": on, "on": workload(on), "off": workload(_engine(prefix_cache=False))}
+
+
+def test_hits_through_pinned_host_memory_equal_cache_off(runs) -> None:
+    tier = runs["engine"].host_tier
+    assert tier.offloaded > 0 and tier.loaded > 0
+    assert tokens_of(runs["on"]) == tokens_of(runs["off"])
+    assert all(cached >= 3 * 16 for _, _, cached in runs["on"][4:])
+
+
+def test_stalled_copy_stream_gives_bitwise_the_same_outputs(runs, monkeypatch) -> None:
+    engine = runs["engine"]
+    engine.flush_prefix_cache()  # the same cold start as the first run
+    gate, loaded = engine.host_tier.gate, engine.host_tier.loaded
+    # Runs on the copy stream inside each kind's copy: ~1 ms of GPU time before the copy lands.
+    monkeypatch.setattr(gate, "delay", lambda: torch.cuda._sleep(2_000_000))
+    assert workload(engine) == runs["on"]  # tokens, logprobs and cached tokens
+    assert engine.host_tier.loaded > loaded
