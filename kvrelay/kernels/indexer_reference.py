@@ -18,6 +18,7 @@ from kvrelay.models.deepseek_v4.precision import wide
 __all__ = [
     "indexer_scores_reference",
     "indexer_topk_reference",
+    "keys_of",
     "rows_per_block",
     "select_reference",
 ]
@@ -31,7 +32,7 @@ def rows_per_block(n_cols: int, heads: int, head_dim: int) -> int:
     return max(1, _BLOCK_ELEMS // max(1, n_cols * max(heads, head_dim)))
 
 
-def _keys_of(
+def keys_of(
     q: torch.Tensor, keys: torch.Tensor, key_scale: torch.Tensor | None, rows: torch.Tensor
 ) -> torch.Tensor:
     """[n, N, d] keys of the given pool rows, dequantized to q's dtype when a scale is given."""
@@ -62,7 +63,7 @@ def indexer_scores_reference(
     for b in range(0, t_count, step):
         e = min(b + step, t_count)
         rows = key_rows[seq_of_token[b:e].long()].long().clamp(min=0)
-        k = wide(_keys_of(q, keys, key_scale, rows))
+        k = wide(keys_of(q, keys, key_scale, rows))
         s = torch.einsum("nhd,nmd->nhm", wq[b:e], k).relu()
         score = torch.einsum("nhm,nh->nm", s, w[b:e].to(wq.dtype))
         visible = cols[None, :] < n_visible[b:e].long()[:, None]

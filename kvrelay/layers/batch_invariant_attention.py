@@ -15,16 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from kvrelay.kernels.indexer_reference import select_reference
+from kvrelay.kernels.indexer_reference import keys_of, select_reference
 from kvrelay.kernels.reference import store_kv
 from kvrelay.layers.batch_invariant import ROWS
+from kvrelay.models.deepseek_v4.precision import wide
 
 KEYS = 64  # keys (or entries) per block
-
-
-def wide(x: torch.Tensor) -> torch.Tensor:
-    """fp32 (fp64 for fp64 inputs): DeepSeek-V4's compute-precision rule."""
-    return x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
 
 
 def _online_step(state, s: torch.Tensor, values: torch.Tensor, eq: str):
@@ -162,10 +158,7 @@ def indexer_scores(
     visible = cols[None, :] < n_visible.long()[:, None]
     parts = []
     for j in range(0, rows_all.shape[1], KEYS):
-        rows = rows_all[:, j : j + KEYS].clamp(min=0)
-        k = keys[rows]
-        if key_scale is not None:
-            k = (k.float() * key_scale[rows][..., None]).to(q.dtype)
+        k = keys_of(q, keys, key_scale, rows_all[:, j : j + KEYS].clamp(min=0))
         s = torch.einsum("nhd,nmd->nhm", wq, wide(k)).relu()
         parts.append(torch.einsum("nhm,nh->nm", s, w.to(wq.dtype)))
     score = torch.cat(parts, dim=1).masked_fill(~visible, float("-inf"))
