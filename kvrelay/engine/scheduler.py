@@ -194,6 +194,11 @@ class Scheduler:
 
         Raises OutOfPages, saying why, unless the request fits next to what running, waiting and
         reserved requests may still need (back-pressure: a refusal now, not an OOM later)."""
+        if self.prefix is not None and self.prefix.host is not None:
+            # Transferred KV lands outside the step, past the host tier's copy gate: a page just
+            # offloaded could be overwritten before its copy is done (the engine turns the tier
+            # off on decode; this keeps any other caller from combining them).
+            raise RuntimeError("a scheduler with a host tier cannot receive transferred KV")
         if self.prefix is not None:
             self._share_prefix(req)
         committed = sum(self._future_pages(r) for r in self._holders())

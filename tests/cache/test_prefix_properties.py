@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -146,7 +147,7 @@ def test_pool_and_tree_stay_consistent(seed, num_ops, num_pages, budget, ratio, 
             live = s.running + list(s.waiting) + [r for g in s.siblings.held.values() for r in g]
             if live:
                 s.finish(rng.choice(live), "abort")
-        elif kind == "reserve":
+        elif kind == "reserve" and w.tier is None:  # decode (receives KV) has no host tier
             r = w.request(rng.randrange(4), rng.randrange(7), 3)
             try:
                 s.reserve_transfer(r)
@@ -190,6 +191,15 @@ def test_pool_and_tree_stay_consistent(seed, num_ops, num_pages, budget, ratio, 
     assert s.prefix.num_host_pages == 0
     if w.tier is not None:
         assert w.tier.slots.num_free == w.tier.slots.num_usable
+
+
+def test_a_host_tier_refuses_transferred_kv() -> None:
+    """A transfer writes its pages outside the step, past the copy gate, so an offload of a page
+    it reuses could still be reading it: the two are never combined."""
+    w = World(8, 64, 1.0, host_pages=3)
+    with pytest.raises(RuntimeError, match="host tier cannot receive transferred KV"):
+        w.s.reserve_transfer(w.request(0, 2, 3))
+    assert w.s.page_pool.num_used == 0 and not w.s.reserved
 
 
 def test_host_tier_round_trips_happen() -> None:
