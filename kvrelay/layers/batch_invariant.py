@@ -116,6 +116,47 @@ def _softmax(op):
     return run
 
 
+# Elementwise math whose vectorised CPU kernel rounds differently from its scalar tail loop (an
+# element gets other bits depending on whether it falls in a full vector or the tail, i.e. on
+# the tensor's size): sigmoid of a [T, 4] gate at T=1 (4 elements, all in the tail) vs T=8.
+# The exact-by-IEEE ops (add, mul, div, sqrt, rsqrt, reciprocal) need nothing.
+_TRANSCENDENTAL = [
+    aten.exp, aten.exp2, aten.expm1, aten.log, aten.log2, aten.log1p, aten.sigmoid, aten.silu,
+    aten.softplus, aten.tanh, aten.erf, aten.gelu, aten.sin, aten.cos,
+]  # fmt: skip
+# Elements per call: a multiple of every vector loop's unroll (2 x 32 bf16 lanes), so nothing
+# reaches a tail, and below the grain at which the CPU splits an op over threads (32768).
+ELEMENT_BLOCK = 16384
+ELEMENT_ALIGN = 64
+
+
+def _elementwise(op):
+    """op over x flattened, zero-padded to a multiple of ELEMENT_ALIGN, in ELEMENT_BLOCK pieces:
+    every element runs through the vector loop, whatever the tensor's size."""
+
+    def run(x, *args, **kwargs):
+        if not x.is_floating_point() or x.numel() == 0:
+            return NotImplemented
+        n = x.numel()
+        if n % ELEMENT_ALIGN == 0 and n <= ELEMENT_BLOCK and x.is_contiguous():
+            return op(x, *args, **kwargs)  # one contiguous piece with no tail already
+        flat = x.reshape(-1)
+        if n % ELEMENT_ALIGN:
+            flat = torch.cat([flat, flat.new_zeros(-n % ELEMENT_ALIGN)])
+        out = torch.cat([op(b, *args, **kwargs) for b in flat.split(ELEMENT_BLOCK)])
+        return out[:n].view(x.shape)
+
+    return run
+
+
+def _elementwise_inplace(op):
+    def run(x, *args, **kwargs):
+        out = _elementwise(op)(x, *args, **kwargs)
+        return out if out is NotImplemented else x.copy_(out)
+
+    return run
+
+
 _HANDLERS = {
     aten.linear.default: _linear,
     aten.mm.default: _mm,
@@ -126,13 +167,20 @@ _HANDLERS = {
     aten.mean.dim: _reduce(torch.mean),
     aten._softmax.default: _softmax(aten._softmax.default),
     aten._log_softmax.default: _softmax(aten._log_softmax.default),
+    **{op.default: _elementwise(op.default) for op in _TRANSCENDENTAL},
+    **{
+        getattr(aten, op.__name__ + "_").default: _elementwise_inplace(op.default)
+        for op in _TRANSCENDENTAL
+        if hasattr(aten, op.__name__ + "_")
+    },
 }
 
 
 class BatchInvariantOps(TorchDispatchMode):
     """Matmuls of rows by a weight, einsums led by the rows, and sums / means / softmaxes that
-    keep the rows run in blocks of ROWS rows; every other op (elementwise, gathers, max) is
-    invariant as it is and passes through. Inside a handler the mode is off (no recursion)."""
+    keep the rows run in blocks of ROWS rows; transcendental elementwise ops in fixed-size
+    vector-only pieces; every other op (exact elementwise, gathers, max) is invariant as it is
+    and passes through. Inside a handler the mode is off (no recursion)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

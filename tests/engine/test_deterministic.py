@@ -21,15 +21,17 @@ NEW = 3
 ALONE = [1, 6, 2]
 
 
-def make_engine(model: str, deterministic: bool = True) -> Engine:
+def make_engine(
+    model: str, deterministic: bool = True, prefix_cache: bool = True, dtype: str = "bfloat16"
+) -> Engine:
     src = resolve(model, "dummy" if model.startswith("dsv4") else "auto")
     cfg = EngineConfig(
         model=model,
         load_format="dummy" if model.startswith("dsv4") else "auto",
         device="cpu",
-        dtype="bfloat16",
+        dtype=dtype,
         deterministic=deterministic,
-        cache=CacheConfig(max_total_tokens=4096),
+        cache=CacheConfig(max_total_tokens=4096, prefix_cache=prefix_cache),
         scheduler=SchedulerConfig(max_num_batched_tokens=8, kv_reserve_ratio=0.0),
     )
     return Engine(cfg, src)

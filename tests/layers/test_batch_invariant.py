@@ -107,6 +107,26 @@ def test_rms_norm_and_softmax_rows(dtype) -> None:
     assert not rows_differ(lambda a: a.softmax(-1).sum(-1), v, on=True)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_transcendental_elementwise_rows(dtype) -> None:
+    """exp / sigmoid / silu / ...: the vectorised CPU loop and its scalar tail round differently,
+    so a row of a small gate (DeepSeek-V4's mHC post gate is [T, 4]) got other bits at T=1 (all
+    4 elements in the tail) than at T=8 (measured in float32; it broke dsv4-tiny's decode alone
+    vs beside a prefill chunk). In the mode every element runs through the vector loop."""
+    torch.manual_seed(4)
+    gate = (torch.randn(40, 4) * 4).to(dtype)
+    if dtype == torch.float32:
+        assert rows_differ(torch.sigmoid, gate, on=False, trials=64)  # ~14% of rows differ
+    wide = (torch.randn(40, 300) * 4).to(dtype)  # 300 per row: a tail at most sizes
+    for fn in (torch.sigmoid, torch.exp, F.silu, F.softplus, torch.tanh, torch.sin, F.gelu):
+        for x in (gate, wide, wide[:, 7:207]):  # contiguous, and a strided view
+            assert not rows_differ(fn, x, on=True, trials=8), fn
+    with scope(True), torch.inference_mode():  # in place: the same bits, written into x
+        x = wide.clone()
+        x.sigmoid_()
+        assert torch.equal(x, wide.sigmoid())
+
+
 def _paged(seed: int, dtype, lens: list[int], page: int = 16):
     g = torch.Generator().manual_seed(seed)
     pages = sum(-(-n // page) for n in lens) + 1
