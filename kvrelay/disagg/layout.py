@@ -5,8 +5,10 @@ A runner describes its caches with `transfer_layout()`; the sender and the recei
 touch the tensors through these descriptions, so a new cache kind needs no change here.
 - unit "page": first dim = page, second = rows within a page. Row j of a request covers tokens
   [j * ratio, (j + 1) * ratio) and is final once all of them are computed (a compressed entry
-  exists only when its window is complete). `keep_last` > 0: decode only ever reads the rows of
-  the prompt's last `keep_last` tokens (a sliding window), so older rows are not sent.
+  exists only when its window is complete). `keep_last` > 0: decode's step only ever reads the
+  rows of the prompt's last `keep_last` tokens (a sliding window), so older rows are not sent,
+  unless decode asks for `every_row` (it caches the prompt's pages for later prefix hits, and a
+  cached page must hold every row a locally computed one holds).
 - unit "slot": first dim = the request's state slot (per-request state, e.g. a compressor's
   open window). Only its value after the whole prompt matters: it is sent once, at the end.
 - `shard` (rank, world): the tensor holds only part `rank` of `world` equal parts of each row's
@@ -59,12 +61,14 @@ class CacheKind:
         t = self.tensor.flatten(0, 1) if self.unit == PAGE else self.tensor
         return t.reshape(t.shape[0], -1).view(torch.uint8)
 
-    def row_range(self, start: int, end: int, prompt_len: int) -> tuple[int, int]:
+    def row_range(
+        self, start: int, end: int, prompt_len: int, every_row: bool = False
+    ) -> tuple[int, int]:
         """Rows of a page kind that tokens [start, end) of a `prompt_len`-token prompt complete
-        and decode will read."""
+        and decode will read (`every_row`: or keep in its prefix cache)."""
         r = self.ratio
         first = start // r
-        if self.keep_last:
+        if self.keep_last and not every_row:
             first = max(first, max(prompt_len - self.keep_last, 0) // r)
         last = end // r
         return first, max(first, last)

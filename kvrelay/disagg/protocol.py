@@ -22,8 +22,9 @@ from typing import Annotated, Literal
 import msgspec
 
 # 2: pieces name their cache kinds; 3: authenticated handshake, typed IPC; 4: Released (the fence);
-# 5: ReserveAck.skip_tokens (decode holds a cached prefix)
-PROTOCOL_VERSION = 5
+# 5: ReserveAck.skip_tokens (decode holds a cached prefix); 6: ReserveAck.every_row, and a skip
+# for models with per-request state (DeepSeek-V4's per-page compressor state travels as a kind)
+PROTOCOL_VERSION = 6
 
 # Field limits: a received message that breaks one is refused whole (msgspec.ValidationError).
 Id = Annotated[str, msgspec.Meta(max_length=256)]  # ids, names, addresses, fingerprints
@@ -113,6 +114,9 @@ class ReserveAck(msgspec.Struct, tag=True):
     # prompt tokens whose paged KV decode already holds (its prefix cache; whole pages, fewer
     # than the prompt): prefill sends page rows only for tokens from here on
     skip_tokens: Count = 0
+    # decode caches the prompt's pages for later hits: send every row of every page kind, a
+    # sliding window's older rows too (a cached page must hold all a computed one holds)
+    every_row: bool = False
 
     def __post_init__(self) -> None:
         self.reason = self.reason[:MAX_TEXT]  # ours may quote a peer's: stay within the limit

@@ -3,7 +3,8 @@ install it, then decode.
 
 Per request: RESERVED (the scheduler holds pages and, for models with per-request state, a state
 slot; with a prefix cache it shares, locked, the pages of the prompt's longest cached prefix, and
-the ack tells prefill to skip their tokens; waiting for prefill's ReserveRequest) -> RECEIVING
+the ack tells prefill to skip their tokens and to send every row of the rest, a sliding window's
+older rows too, since the prompt's pages enter the cache; waiting for prefill's ReserveRequest) -> RECEIVING
 (matched; pieces arriving as prefill computes the prompt chunk by chunk, each checked: transfer
 id, request id, connection, cache kinds, token range (continuing where each kind's rows end: the
 first page piece where the cached prefix ends), size, checksum) -> DONE (installed; the
@@ -52,6 +53,8 @@ class DecodeTransfer:
     sm: P.TransferStateMachine
     conn: Connection | None = None
     filled: dict[str, int] = field(default_factory=dict)  # per cache kind: prompt tokens installed
+    # the prompt's pages go to decode's prefix cache: every row of them must arrive (the ack says)
+    every_row: bool = False
     num_chunks: int = 0
     reserved: float = field(default_factory=time.monotonic)  # when decode reserved its pages
     install_s: float = 0.0  # time spent checking and installing pieces
@@ -194,6 +197,7 @@ class DecodeReceiver(TransferAgent):
         t.filled = {
             k.name: 0 if k.unit == SLOT else req.matched_tokens for k in self.kind_by_name.values()
         }
+        t.every_row = self.engine.scheduler.prefix is not None
         self.transfers[pd.transfer_id] = t
         orphan = self.orphans.pop(pd.transfer_id, None)
         if orphan is not None:
@@ -242,7 +246,7 @@ class DecodeReceiver(TransferAgent):
         t.sm.to(TState.RECEIVING)
         ack = P.ReserveAck(
             t.pd.transfer_id, True, pages=list(req.pages), slot=req.state_slot,
-            skip_tokens=req.matched_tokens,
+            skip_tokens=req.matched_tokens, every_row=t.every_row,
         )  # fmt: skip
         if not self._send(conn, ack):
             self._fail(
@@ -339,7 +343,7 @@ class DecodeReceiver(TransferAgent):
         if problem:
             return self._fail(t, P.Cause.IDENTITY, problem)
         page_size = self.engine.runner.page_size
-        rows = piece_rows(kinds, req.pages, req.state_slot, page_size, s, e, n_tok)
+        rows = piece_rows(kinds, req.pages, req.state_slot, page_size, s, e, n_tok, t.every_row)
         expected = expected_bytes(kinds, rows)
         began = time.monotonic()
         if h.in_place:  # cuda_ipc: prefill already wrote the rows into our pages
@@ -350,7 +354,8 @@ class DecodeReceiver(TransferAgent):
             return self._fail(t, *bad)
         if not h.in_place:  # through the runner: with TP every rank installs it
             idx = [self.kind_index[name] for name in h.kinds]
-            piece = InstallPiece(idx, list(req.pages), req.state_slot, s, e, n_tok, ev.payload)
+            facts = (idx, list(req.pages), req.state_slot, s, e, n_tok, t.every_row)
+            piece = InstallPiece(*facts, ev.payload)
             self.engine.runner.install_piece(piece)
         for name in h.kinds:
             t.filled[name] = e

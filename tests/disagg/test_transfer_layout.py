@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvrelay.cache.host_gate import page_tensors
 from kvrelay.config import CacheConfig, EngineConfig
 from kvrelay.disagg.agent import engine_layout
 from kvrelay.disagg.layout import PAGE, SLOT, CacheKind, fingerprint, layout_difference
@@ -62,7 +63,17 @@ def test_dsv4_layout_names_every_pool_tensor_once(dsv4):
     kinds = {k.name: k for k in dsv4.runner.transfer_layout()}
     pool = dsv4.runner.cache
     assert kinds.keys() == pool.kinds.keys()
-    assert all(kinds[n].tensor is t for n, t in pool.kinds.items())
+    assert all(  # the pool's own tensors (a per-page value: viewed as one row per page)
+        kinds[n].tensor.data_ptr() == t.data_ptr() and kinds[n].tensor.numel() == t.numel()
+        for n, t in pool.kinds.items()
+    )
+    # Everything a page is made of travels (what a prefix hit on decode reads of a received
+    # page): the host tier's walk over the pool's own tensors finds no other per-page tensor.
+    per_page = {t.data_ptr() for t in page_tensors(pool).values()}
+    assert per_page == {k.tensor.data_ptr() for k in kinds.values() if k.unit == PAGE}
+    page_end = kinds["L1.c4_index_state.page_prev_kv"]
+    assert page_end.unit == PAGE and page_end.ratio == dsv4.runner.page_size
+    assert page_end.tensor.shape[1] == 1 and "L2.c16_state.page_prev_kv" not in kinds
     assert kinds["L0.swa_kv"].keep_last == pool.cfg.sliding_window - 1
     assert (kinds["L1.c4_kv"].ratio, kinds["L1.c4_index_k"].ratio) == (4, 4)
     assert kinds["L2.c16_kv"].ratio == 16 and kinds["L2.c16_kv"].tensor.shape[1] == 1
@@ -92,12 +103,24 @@ def test_dsv4_fp8_index_keys_change_the_fingerprint(dsv4):
         (1, 15, 0, 22, 150, (135, 135)),  # out of the final window: nothing to send
         (1, 15, 132, 150, 150, (135, 150)),
         (1, 15, 0, 10, 10, (0, 10)),
+        (16, 0, 0, 150, 150, (0, 9)),  # a per-page value: final once its page is
     ],
 )
 def test_row_range(ratio, keep_last, start, end, n, rows):
     t = torch.zeros(4, 16 // ratio, 2)
     kind = CacheKind("x", t, PAGE, 0, ratio=ratio, keep_last=keep_last)
     assert kind.row_range(start, end, n) == rows
+    if not keep_last:
+        assert kind.row_range(start, end, n, every_row=True) == rows
+
+
+@pytest.mark.parametrize(
+    "start, end, n, rows", [(0, 22, 150, (0, 22)), (16, 150, 150, (16, 150)), (0, 10, 10, (0, 10))]
+)
+def test_every_row_sends_a_windows_older_rows_too(start, end, n, rows):
+    """A decode that caches the prompt's pages asks for every row (`ReserveAck.every_row`)."""
+    kind = CacheKind("x", torch.zeros(4, 16, 2), PAGE, 0, keep_last=15)
+    assert kind.row_range(start, end, n, every_row=True) == rows
 
 
 def test_sharded_kind_describes_whole_rows_and_installs_its_heads():
