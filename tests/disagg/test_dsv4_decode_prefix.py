@@ -169,3 +169,44 @@ def test_a_page_received_equals_the_page_computed_by_a_single_engine(index_k: st
             for k, (dp, sp) in enumerate(zip(mine, theirs, strict=True)):
                 assert torch.equal(t[dp], s_pool[name][sp]), f"{name} page {k}"
         pair.assert_clean()
+
+
+def test_a_request_preempted_on_decode_resumes_from_received_pages_like_a_single_engine(
+    single,
+) -> None:
+    """Decode's pool (8 usable pages of 16) holds two 64-token prompts but not their answers:
+    the newer request is preempted, and the survivor's growth evicts its pages from the end
+    back to the second, so it recomputes from a 32-token hit on pages it received: its state
+    slot restored from the compressor state kept with page 1, its window from page 1's rows
+    (which only a decode that asks for every row receives: they lie outside the prompt's last
+    window). Both answers are the single engine's."""
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=0)
+    prompts = [[(5 * i + 3 * j + i * j) % 240 + 5 for j in range(64)] for i in range(2)]
+    want = generate(single, prompts, params)
+    with pairs() as make:
+        decode = dsv4_engine("decode", max_total_tokens=144, kv_reserve_ratio=0.0)
+        pair = make(dsv4_engine("prefill"), decode)
+        received, restored = {}, []
+        admit, restore = decode.scheduler.admit_transferred, decode.runner.cache.restore_slot
+
+        def admit_and_note(req) -> None:  # the pages whose KV arrived, as installed
+            received[req.rid] = list(req.pages)
+            admit(req)
+
+        def restore_and_note(slot: int, page: int) -> None:
+            restored.append(page)
+            restore(slot, page)
+
+        decode.scheduler.admit_transferred = admit_and_note
+        decode.runner.cache.restore_slot = restore_and_note
+        for i, ids in enumerate(prompts):
+            pair.submit(f"r{i}", ids, params)
+        pair.pump(lambda: all(pair.finished("decode", f"r{i}") for i in range(2)), timeout=120)
+        assert decode.scheduler.num_preemptions == 1
+        assert restored == [received["r1"][1]]  # resumed at token 32, from a received page
+        for i, w in enumerate(want):
+            got = pair.outs[("decode", f"r{i}")]
+            assert _tokens(got) == _tokens(w)
+            lp = [x for o in got for x in o.logprobs]
+            assert lp == pytest.approx([x for o in w for x in o.logprobs], abs=1e-4)
+        pair.assert_clean()
