@@ -5,7 +5,8 @@ A runner describes its caches with `transfer_layout()`; the sender and the recei
 touch the tensors through these descriptions, so a new cache kind needs no change here.
 - unit "page": first dim = page, second = rows within a page. Row j of a request covers tokens
   [j * ratio, (j + 1) * ratio) and is final once all of them are computed (a compressed entry
-  exists only when its window is complete). `keep_last` > 0: decode's step only ever reads the
+  exists only when its window is complete; a value kept per page, such as DeepSeek-V4's
+  compressor state at each page end, is one row of `page_size` tokens). `keep_last` > 0: decode's step only ever reads the
   rows of the prompt's last `keep_last` tokens (a sliding window), so older rows are not sent,
   unless decode asks for `every_row` (it caches the prompt's pages for later prefix hits, and a
   cached page must hold every row a locally computed one holds).
