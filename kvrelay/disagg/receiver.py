@@ -4,8 +4,8 @@ install it, then decode.
 Per request: RESERVED (the scheduler holds pages and, for models with per-request state, a state
 slot; with a prefix cache it shares, locked, the pages of the prompt's longest cached prefix, and
 the ack tells prefill to skip their tokens and to send every row of the rest, a sliding window's
-older rows too, since the prompt's pages enter the cache; waiting for prefill's ReserveRequest) -> RECEIVING
-(matched; pieces arriving as prefill computes the prompt chunk by chunk, each checked: transfer
+older rows too, since the prompt's pages enter the cache; waiting for prefill's ReserveRequest)
+-> RECEIVING (matched; pieces arriving as prefill computes the prompt chunk by chunk, each checked: transfer
 id, request id, connection, cache kinds, token range (continuing where each kind's rows end: the
 first page piece where the cached prefix ends), size, checksum) -> DONE (installed; the
 scheduler admits the request with num_computed = prompt length and the first token appended);
