@@ -5,9 +5,9 @@ Per request: RESERVED (the scheduler holds pages and, for models with per-reques
 slot; with a prefix cache it shares, locked, the pages of the prompt's longest cached prefix, and
 the ack tells prefill to skip their tokens and to send every row of the rest, a sliding window's
 older rows too, since the prompt's pages enter the cache; waiting for prefill's ReserveRequest)
--> RECEIVING (matched; pieces arriving as prefill computes the prompt chunk by chunk, each checked: transfer
-id, request id, connection, cache kinds, token range (continuing where each kind's rows end: the
-first page piece where the cached prefix ends), size, checksum) -> DONE (installed; the
+-> RECEIVING (matched; pieces arriving as prefill computes the prompt chunk by chunk, each
+checked: transfer id, request id, connection, cache kinds, token range (continuing where each
+kind's rows end: the first page piece where the cached prefix ends), size, checksum) -> DONE (installed; the
 scheduler admits the request with num_computed = prompt length and the first token appended);
 any state -> FAILED (prefill told, error output). A ReserveRequest that arrives before decode's own
 copy of the request waits as an orphan until that copy arrives or its deadline passes.
