@@ -6,10 +6,12 @@ touch the tensors through these descriptions, so a new cache kind needs no chang
 - unit "page": first dim = page, second = rows within a page. Row j of a request covers tokens
   [j * ratio, (j + 1) * ratio) and is final once all of them are computed (a compressed entry
   exists only when its window is complete; a value kept per page, such as DeepSeek-V4's
-  compressor state at each page end, is one row of `page_size` tokens). `keep_last` > 0: decode's step only ever reads the
-  rows of the prompt's last `keep_last` tokens (a sliding window), so older rows are not sent,
-  unless decode asks for `every_row` (it caches the prompt's pages for later prefix hits, and a
-  cached page must hold every row a locally computed one holds).
+  compressor state at each page end, is one row of `page_size` tokens). `keep_last` > 0: decode's
+  step only ever reads the rows of the prompt's last `keep_last` tokens (a sliding window), so
+  older rows are not sent; a decode that caches the prompt's pages asks for `resume_rows`: the
+  rows of the page(s) before the prompt's last full page boundary too, which a later prefix hit
+  ending there reads (paging.window_rows_from; the older pages are cached lacking their rows,
+  and a hit never ends on them: radix.py). With a window within a page: at most a page more.
 - unit "slot": first dim = the request's state slot (per-request state, e.g. a compressor's
   open window). Only its value after the whole prompt matters: it is sent once, at the end.
 - `shard` (rank, world): the tensor holds only part `rank` of `world` equal parts of each row's
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrelay.cache.paging import row_index
+from kvrelay.cache.paging import row_index, window_rows_from
 
 PAGE, SLOT = "page", "slot"
 
@@ -63,14 +65,19 @@ class CacheKind:
         return t.reshape(t.shape[0], -1).view(torch.uint8)
 
     def row_range(
-        self, start: int, end: int, prompt_len: int, every_row: bool = False
+        self, start: int, end: int, prompt_len: int, resume_rows: bool = False
     ) -> tuple[int, int]:
         """Rows of a page kind that tokens [start, end) of a `prompt_len`-token prompt complete
-        and decode will read (`every_row`: or keep in its prefix cache)."""
+        and decode will read (`resume_rows`: or a later hit on its cached pages will read)."""
         r = self.ratio
         first = start // r
-        if self.keep_last and not every_row:
-            first = max(first, max(prompt_len - self.keep_last, 0) // r)
+        if self.keep_last:
+            if resume_rows:
+                page_size = self.tensor.shape[1] * r
+                oldest = window_rows_from(prompt_len, page_size, self.keep_last)
+            else:
+                oldest = max(prompt_len - self.keep_last, 0)
+            first = max(first, oldest // r)
         last = end // r
         return first, max(first, last)
 

@@ -3,8 +3,9 @@ install it, then decode.
 
 Per request: RESERVED (the scheduler holds pages and, for models with per-request state, a state
 slot; with a prefix cache it shares, locked, the pages of the prompt's longest cached prefix, and
-the ack tells prefill to skip their tokens and to send every row of the rest, a sliding window's
-older rows too, since the prompt's pages enter the cache; waiting for prefill's ReserveRequest)
+the ack tells prefill to skip their tokens and, since the prompt's pages enter the cache, to send
+the window rows a later hit at the prompt's last full page boundary reads too (older pages are
+cached lacking their window rows: a hit never ends on them); waiting for prefill's ReserveRequest)
 -> RECEIVING (matched; pieces arriving as prefill computes the prompt chunk by chunk, each
 checked: transfer id, request id, connection, cache kinds, token range (continuing where each
 kind's rows end: the first page piece where the cached prefix ends), size, checksum) -> DONE (installed; the
@@ -34,7 +35,7 @@ from kvrelay.cache.block_pool import OutOfPages
 from kvrelay.disagg import handshake as H
 from kvrelay.disagg import protocol as P
 from kvrelay.disagg.agent import Event, TransferAgent
-from kvrelay.disagg.layout import SLOT
+from kvrelay.disagg.layout import PAGE, SLOT
 from kvrelay.disagg.pieces import expected_bytes, gather_rows, piece_rows
 from kvrelay.disagg.protocol import TState
 from kvrelay.disagg.transport.base import Connection
@@ -53,8 +54,8 @@ class DecodeTransfer:
     sm: P.TransferStateMachine
     conn: Connection | None = None
     filled: dict[str, int] = field(default_factory=dict)  # per cache kind: prompt tokens installed
-    # the prompt's pages go to decode's prefix cache: every row of them must arrive (the ack says)
-    every_row: bool = False
+    # the prompt's pages go to decode's prefix cache: the window rows a hit reads must arrive too
+    resume_rows: bool = False
     num_chunks: int = 0
     reserved: float = field(default_factory=time.monotonic)  # when decode reserved its pages
     install_s: float = 0.0  # time spent checking and installing pieces
@@ -197,7 +198,7 @@ class DecodeReceiver(TransferAgent):
         t.filled = {
             k.name: 0 if k.unit == SLOT else req.matched_tokens for k in self.kind_by_name.values()
         }
-        t.every_row = self.engine.scheduler.prefix is not None
+        t.resume_rows = self.engine.scheduler.prefix is not None
         self.transfers[pd.transfer_id] = t
         orphan = self.orphans.pop(pd.transfer_id, None)
         if orphan is not None:
@@ -246,7 +247,7 @@ class DecodeReceiver(TransferAgent):
         t.sm.to(TState.RECEIVING)
         ack = P.ReserveAck(
             t.pd.transfer_id, True, pages=list(req.pages), slot=req.state_slot,
-            skip_tokens=req.matched_tokens, every_row=t.every_row,
+            skip_tokens=req.matched_tokens, resume_rows=t.resume_rows,
         )  # fmt: skip
         if not self._send(conn, ack):
             self._fail(
@@ -343,7 +344,7 @@ class DecodeReceiver(TransferAgent):
         if problem:
             return self._fail(t, P.Cause.IDENTITY, problem)
         page_size = self.engine.runner.page_size
-        rows = piece_rows(kinds, req.pages, req.state_slot, page_size, s, e, n_tok, t.every_row)
+        rows = piece_rows(kinds, req.pages, req.state_slot, page_size, s, e, n_tok, t.resume_rows)
         expected = expected_bytes(kinds, rows)
         began = time.monotonic()
         if h.in_place:  # cuda_ipc: prefill already wrote the rows into our pages
@@ -354,7 +355,7 @@ class DecodeReceiver(TransferAgent):
             return self._fail(t, *bad)
         if not h.in_place:  # through the runner: with TP every rank installs it
             idx = [self.kind_index[name] for name in h.kinds]
-            facts = (idx, list(req.pages), req.state_slot, s, e, n_tok, t.every_row)
+            facts = (idx, list(req.pages), req.state_slot, s, e, n_tok, t.resume_rows)
             piece = InstallPiece(*facts, ev.payload)
             self.engine.runner.install_piece(piece)
         for name in h.kinds:
@@ -407,6 +408,7 @@ class DecodeReceiver(TransferAgent):
         self._observe("transfer", time.monotonic() - t.reserved)  # reserved -> all installed
         self._observe("install", t.install_s)
         req.num_computed = len(req.prompt_ids)
+        req.window_rows_from = self._window_rows_from(t, len(req.prompt_ids))
         # usage: prompt tokens whose KV was reused, by prefill (not computed) or here (not moved)
         req.num_cached_tokens = max(f.cached_tokens, req.matched_tokens)
         req.output_ids.append(f.token_id)
@@ -433,6 +435,12 @@ class DecodeReceiver(TransferAgent):
             eng.scheduler.finish(req, reason)
         else:
             eng.scheduler.admit_transferred(req)
+
+    def _window_rows_from(self, t: DecodeTransfer, n: int) -> int:
+        """The first prompt token whose sliding-window rows arrived (the prefix cache marks the
+        pages before it as lacking rows, radix.py); 0: no window kind, every row arrived."""
+        kinds = [k for k in self.kind_by_name.values() if k.unit == PAGE and k.keep_last]
+        return min((k.row_range(0, n, n, t.resume_rows)[0] * k.ratio for k in kinds), default=0)
 
     def _drop(self, t: DecodeTransfer, fence: bool) -> None:
         """End a transfer here. `fence`: prefill was just told, and may still be writing into the

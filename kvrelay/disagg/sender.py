@@ -96,7 +96,9 @@ class PrefillTransfer:
     dst_pages: list[int] = field(default_factory=list)  # decode's, from its reservation ack
     dst_slot: int = 0
     skip: int = 0  # prompt tokens whose paged KV decode holds already (its ack): never sent
-    every_row: bool = False  # decode caches the prompt's pages (its ack): every window row goes
+    resume_rows: bool = (
+        False  # decode caches the prompt's pages (its ack): window rows a hit reads go
+    )
     corrupt: bool = False  # TEST ONLY: damage the first non-empty piece
     acked: float = 0.0  # monotonic time of decode's reservation ack
     send_s: float = 0.0  # time spent sending pieces (gather, checksum, copy or socket)
@@ -421,13 +423,13 @@ class PrefillSender(TransferAgent):
         req, runner = t.req, self.engine.runner
         n = len(req.prompt_ids)
         rows = piece_rows(
-            kinds, req.pages, req.state_slot, runner.page_size, start, end, n, t.every_row
+            kinds, req.pages, req.state_slot, runner.page_size, start, end, n, t.resume_rows
         )
         if t.peer.remote is not None:
             return self._write_in_place(t, kinds, rows, start, end)
         began = time.monotonic()
         if kinds[0].shard[1] > 1:  # dense TP: each rank holds its KV heads (engine/tp_gather.py)
-            args = (kinds, req.pages, req.state_slot, start, end, n, t.every_row)
+            args = (kinds, req.pages, req.state_slot, start, end, n, t.resume_rows)
             buf = runner.gather_piece(*args)
         else:
             buf = gather(kinds, rows)
@@ -459,7 +461,7 @@ class PrefillSender(TransferAgent):
         began, n = time.monotonic(), len(t.req.prompt_ids)
         dst = piece_rows(
             kinds, t.dst_pages, t.dst_slot, self.engine.runner.page_size, start, end, n,
-            t.every_row,
+            t.resume_rows,
         )  # fmt: skip
         parts = []
         for k, src_r, dst_r in zip(kinds, rows, dst, strict=True):
@@ -539,7 +541,7 @@ class PrefillSender(TransferAgent):
                 return self._fail(t, P.Cause.IDENTITY, problem)
             t.dst_pages, t.dst_slot = msg.pages, msg.slot
             t.skip = t.sent = msg.skip_tokens
-            t.every_row = msg.every_row
+            t.resume_rows = msg.resume_rows
             t.acked = time.monotonic()
             t.sm.to(TState.PREFILLING)
             self.engine.scheduler.add(t.req)

@@ -82,6 +82,8 @@ class DeepseekV4Runner:
             fuse_projections(self.model)
         # Admission keeps running requests <= max_running_requests, so a slot is always free.
         self.num_state_slots = num_slots  # the scheduler hands them out (slot 0 never)
+        # a request resuming at a prefix hit reads the window rows of the tokens just before it
+        self.window_lookback = self.cache.window - 1
         pool_tokens = (num_pages - 1) * self.page_size
         self.max_model_len = min(cfg.max_model_len or c.max_position_embeddings, pool_tokens)
         self.graphs = None

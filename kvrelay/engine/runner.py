@@ -81,6 +81,7 @@ class ModelRunner:
         self.model_cfg = src.config
         self._kinds: list[CacheKind] | None = None  # transfer_layout(), for PD decode installs
         self.num_state_slots = 0  # dense models keep no per-request state outside the KV pages
+        self.window_lookback = 0  # nor a sliding window: a resume reads every earlier page whole
         backend = cfg.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
@@ -161,13 +162,12 @@ class ModelRunner:
 
     def gather_piece(
         self, kinds: list[CacheKind], pages: list[int], slot: int, start: int, end: int,
-        prompt_len: int, every_row: bool,
+        prompt_len: int, resume_rows: bool,
     ) -> memoryview:  # fmt: skip
         """A PD prefill server with TP: a piece's whole rows, every rank's KV heads put together."""
         index = {k.name: i for i, k in enumerate(self._layout())}
-        facts = tp_install.PieceFacts(
-            [index[k.name] for k in kinds], list(pages), slot, start, end, prompt_len, every_row
-        )
+        idx = [index[k.name] for k in kinds]
+        facts = tp_install.PieceFacts(idx, list(pages), slot, start, end, prompt_len, resume_rows)
         return tp_gather.gather_whole(
             self.tp, self.device, tp_step.HEADER, self._layout(), self.page_size, facts
         )

@@ -1,12 +1,16 @@
 """DeepSeek-V4 PD decode with its own prefix cache (engines in one process, dsv4-tiny dummy
 weights, CPU float32, real TCP): a turn whose prompt begins with what decode holds moves only the
-rest, and decodes the tokens of a single engine; a page decode caches from a transfer holds,
-tensor by tensor, what a page computed by a single engine holds (window rows, compressed KV,
-index keys and their fp8 scales, the compressor state at the page end); a request preempted on
-decode that recomputes from received pages continues like the single engine.
+rest, and decodes the tokens of a single engine; turn 1 moves what a decode without the cache
+gets plus the window rows of the prompt's last full page (what a hit ending there reads); a page
+decode caches from a transfer holds, tensor by tensor, what a page computed by a single engine
+holds (compressed KV, index keys and their fp8 scales, the compressor state at the page end, and
+the window rows that were sent), and a page received without all its window rows never ends a
+match; a conversation sharing only such pages gets a shorter hit (or none) and still answers
+like the single engine; a request preempted on decode recomputes from a complete page.
 
-Pages hold 16 tokens and the sliding window is 16: a 70-token prompt's first three pages lie
-wholly outside its last window, whose rows alone a decode without the cache receives.
+Pages hold 16 tokens and the sliding window is 16 (a resume reads the 15 tokens before it): a
+70-token prompt's window rows travel from token 48 (its last full page, 48..63) on, so its pages
+0..2 are cached lacking them.
 """
 
 from __future__ import annotations
@@ -76,6 +80,24 @@ def _window_only_bytes(kinds, tokens: int) -> int:
     return total + _state_bytes(kinds)
 
 
+def _window_row_bytes(kinds) -> int:
+    """One token's window rows, every layer."""
+    return sum(k.row_bytes for k in kinds if k.keep_last)
+
+
+def _sent_bytes(kinds, hit: int, n: int) -> int:
+    """What a transfer to a caching decode that holds `hit` tokens moves of an n-token prompt:
+    the compressed rows, index keys and page-end states completed after `hit`, the window rows
+    from max(hit, the start of the page before the last full page boundary) on (16-token pages,
+    a 15-token lookback: that one page), and the state."""
+    rows_from = max(hit, min(n - 15, n // 16 * 16 - 16))
+    total = _window_row_bytes(kinds) * (n - rows_from)
+    for k in kinds:
+        if k.unit == PAGE and not k.keep_last:
+            total += k.row_bytes * (n // k.ratio - hit // k.ratio)
+    return total + _state_bytes(kinds)
+
+
 def _two_turns(pair, single: Engine, n: int, turn1: int = TURN1) -> tuple[int, int, list, list]:
     """n conversations, each turn's requests sent at once; turn 2 resends turn 1, its answer and
     a new user message. PD == the single engine, token for token. Returns the KV bytes each turn
@@ -111,13 +133,16 @@ def test_a_second_turn_moves_only_what_decode_does_not_hold(single, n: int) -> N
         kinds = pair.d.agent.kinds
         bytes1, bytes2, _, outs2 = _two_turns(pair, single, n)
         state = _state_bytes(kinds)
-        # Turn 1: all reserved before any arrived, so nothing shared; every row of the pages
-        # (decode caches them), the state once.
-        assert bytes1 == n * (_complete_rows_bytes(kinds, TURN1) + state)
+        # Turn 1: all reserved before any arrived, so nothing shared; what a decode without the
+        # cache receives (the window rows of tokens 55..69), plus the 7 window rows 48..54 (the
+        # rest of the last full page, 48..63: a hit at 64 reads back to 49), the state once.
+        assert bytes1 == n * (_window_only_bytes(kinds, TURN1) + 7 * _window_row_bytes(kinds))
+        assert bytes1 == n * _sent_bytes(kinds, 0, TURN1)
+        assert bytes1 < n * (_complete_rows_bytes(kinds, TURN1) + state)  # every row: more
         # Turn 2: decode holds 80 of the 92 tokens (5 pages: turn 1's prompt received, its
         # answer computed there); only tokens 80..91's rows and the state move.
         rest = _complete_rows_bytes(kinds, TURN2) - _complete_rows_bytes(kinds, HIT)
-        assert bytes2 == n * (rest + state)
+        assert bytes2 == n * (rest + state) == n * _sent_bytes(kinds, HIT, TURN2)
         assert pair.d.scheduler.prefix.hit_tokens == n * HIT
         assert {o[0].num_cached_tokens for o in outs2} == {HIT}  # usage: decode's hit
         pair.assert_clean()
@@ -146,12 +171,14 @@ def _pages_of(engine: Engine, tokens: list[int]) -> list[int]:
 def test_a_page_received_equals_the_page_computed_by_a_single_engine(index_k: str) -> None:
     """Decode's cached pages of a two-turn conversation against a single engine's, computed in
     the same chunks: equal, bit for bit, for every per-page tensor the pool owns (found by
-    walking the pool, not listed here: a kind missing from the transfer stays zero on decode).
+    walking the pool, not listed here: a kind missing from the transfer stays zero on decode),
+    but the window rows of the pages received without them, which no match ends on.
 
-    Turn 1 (68 tokens) is received whole; decode computes its answer (to 79 tokens: 4 full
-    pages, the 4 that prefill and the single engine cache too, so all three resume turn 2 at 64
-    and compute it in the same 22-token chunks); turn 2 (90 tokens) is received from token 64;
-    decode computes its answer (to 101: page 5 is half received, half computed there)."""
+    Turn 1 (68 tokens) is received, its window rows from token 48 (page 3) on; decode computes
+    its answer (to 79 tokens: 4 full pages, the 4 that prefill and the single engine cache too,
+    so all three resume turn 2 at 64 and compute it in the same 22-token chunks); turn 2 (90
+    tokens) is received from token 64; decode computes its answer (to 101: page 5 is half
+    received, half computed there)."""
     single = dsv4_engine("single", index_k=index_k)  # 22-token chunks, as prefill
     with pairs() as make:
         pair = make(*(dsv4_engine(role, index_k=index_k) for role in ("prefill", "decode")))
@@ -165,22 +192,47 @@ def test_a_page_received_equals_the_page_computed_by_a_single_engine(index_k: st
         names = " ".join(d_pool)
         assert "page_prev_kv" in names and "swa" in names
         assert ("index_k_scale" in names) == (index_k == "fp8")
+        prefix = pair.d.scheduler.prefix
+        complete = [prefix.node_at(ids[: 16 * (k + 1)]).rows_complete for k in range(6)]
+        assert complete == [False] * 3 + [True] * 3
+        # A match never ends on pages 0..2 (a request resuming there would read absent rows).
+        assert [len(_pages_of(pair.d, ids[: 16 * k + 1])) for k in range(1, 7)] == [
+            0,
+            0,
+            0,
+            4,
+            5,
+            6,
+        ]
         for name, t in d_pool.items():
             for k, (dp, sp) in enumerate(zip(mine, theirs, strict=True)):
-                assert torch.equal(t[dp], s_pool[name][sp]), f"{name} page {k}"
+                same = torch.equal(t[dp], s_pool[name][sp])
+                if name.startswith("swa") and not complete[k]:
+                    assert not same, f"{name} page {k}: window rows that were never sent"
+                else:
+                    assert same, f"{name} page {k}"
         pair.assert_clean()
 
 
-def test_a_request_preempted_on_decode_resumes_from_received_pages_like_a_single_engine(
-    single,
+@pytest.mark.parametrize(
+    "max_tokens, resumed_page",
+    [
+        (16, 3),  # the survivor needs 5 pages in all: the newer one's 4 stay cached
+        (40, None),  # it needs 7: its growth evicts the newer one's pages 3 and 2
+    ],
+)
+def test_a_request_preempted_on_decode_resumes_only_from_a_complete_received_page(
+    single, max_tokens: int, resumed_page: int | None
 ) -> None:
-    """Decode's pool (8 usable pages of 16) holds two 64-token prompts but not their answers:
-    the newer request is preempted, and the survivor's growth evicts its pages from the end
-    back to the second, so it recomputes from a 32-token hit on pages it received: its state
-    slot restored from the compressor state kept with page 1, its window from page 1's rows
-    (which only a decode that asks for every row receives: they lie outside the prompt's last
-    window). Both answers are the single engine's."""
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=0)
+    """Decode's pool (9 usable pages of 16) holds two 64-token prompts but not their answers
+    (the first decode step of both needs a 5th page each): the newer request is
+    preempted, its 4 received pages go to the cache (pages 0..2 lacking the window rows before
+    token 48), and it recomputes once the survivor is done. With page 3 still cached it resumes
+    at 64: its state slot restored from the compressor state kept with page 3, its window from
+    page 3's rows (49..63: they lie outside the prompt's last window, and only a decode that
+    caches receives them). With pages 3 and 2 evicted, a hit would end at page 1, whose window
+    rows are absent: it takes none and recomputes all. Both answers are the single engine's."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     prompts = [[(5 * i + 3 * j + i * j) % 240 + 5 for j in range(64)] for i in range(2)]
     want = generate(single, prompts, params)
     with pairs() as make:
@@ -203,10 +255,44 @@ def test_a_request_preempted_on_decode_resumes_from_received_pages_like_a_single
             pair.submit(f"r{i}", ids, params)
         pair.pump(lambda: all(pair.finished("decode", f"r{i}") for i in range(2)), timeout=120)
         assert decode.scheduler.num_preemptions == 1
-        assert restored == [received["r1"][1]]  # resumed at token 32, from a received page
+        if resumed_page is None:
+            assert restored == []  # recomputed from token 0
+        else:
+            assert restored == [received["r1"][resumed_page]]  # resumed at 64, a received page
         for i, w in enumerate(want):
             got = pair.outs[("decode", f"r{i}")]
             assert _tokens(got) == _tokens(w)
             lp = [x for o in got for x in o.logprobs]
             assert lp == pytest.approx([x for o in w for x in o.logprobs], abs=1e-4)
+        pair.assert_clean()
+
+
+def test_a_hit_that_would_end_on_a_page_lacking_window_rows_ends_earlier(single) -> None:
+    """Conversations through one PD pair, one after another, sharing ever fewer pages:
+    A (37 tokens: pages 0..1 of the system prompt and 5 of its own) is received with window rows
+    from 16 on, so page 0 lacks them, page 1 does not; B (the whole 40-token system prompt + 30)
+    hits A's pages 0..1 (32: page 1 is complete) and receives the rest, window rows from 48 on,
+    so its page 2 lacks them; C shares B's first 50 tokens: its match passes pages 0..2 but ends
+    at page 1 (32, not 48); D shares only page 0 (incomplete): no hit at all. Each answers like
+    the single engine, and moves exactly what its hit leaves."""
+    b = SYSTEM + _user(1, 1, 30)
+    convs = {
+        "A": (SYSTEM[:32] + _user(0, 1, 5), 0),
+        "B": (b, 32),
+        "C": (b[:50] + _user(2, 1, 20), 32),
+        "D": (SYSTEM[:20] + _user(3, 1, 40), 0),
+    }
+    with pairs() as make:
+        pair = make(dsv4_engine("prefill"), dsv4_engine("decode"))
+        kinds, prefix = pair.d.agent.kinds, pair.d.scheduler.prefix
+        for name, (ids, hit) in convs.items():
+            before, hits = _sent(pair), prefix.hit_tokens
+            outs = _turn(pair, [ids], name)[0]
+            assert prefix.hit_tokens - hits == hit, name  # decode's (usage: prefill's, if more)
+            assert _sent(pair) - before == _sent_bytes(kinds, hit, len(ids)), name
+            assert _tokens(outs) == _tokens(generate(single, [ids], PARAMS)[0]), name
+            if name == "B":  # what makes C's hit shorter: B's page 2 is cached lacking rows
+                assert not prefix.node_at(b[:48]).rows_complete
+                assert prefix.node_at(b[:32]).rows_complete
+                assert not prefix.node_at(b[:16]).rows_complete
         pair.assert_clean()

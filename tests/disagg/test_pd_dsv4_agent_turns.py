@@ -4,9 +4,9 @@ for token at concurrency 1 and 8, and turn 2 moves only what decode's own prefix
 
 The system prompt makes turn 1 ~170 tokens, past one 128-token page (the page size: a multiple
 of the ratio-4 and ratio-128 compressors) and its 64-token sliding window: decode caches that
-page whole (every window row, compressed KV, index keys and the compressor state at its end)
-and turn 2 resumes from it. The bytes are counted from the model's shape, not from the code
-that sends them.
+page whole (its window rows too: a hit at 128 reads them back to 65; compressed KV, index keys
+and the compressor state at its end) and turn 2 resumes from it. The bytes are counted from the
+model's shape, not from the code that sends them.
 """
 
 from __future__ import annotations
@@ -51,15 +51,24 @@ def stacks():
                 f.result().close()
 
 
+def _window_from(c, hit: int, n: int) -> int:
+    """The first token whose window row travels to a caching decode that holds `hit`: the
+    prompt's last window - 1 tokens, and the whole page(s) holding the window - 1 tokens before
+    its last full page boundary (what a hit ending there reads)."""
+    back, boundary = c.sliding_window - 1, n // PAGE * PAGE
+    need = max(boundary - back, 0) // PAGE * PAGE if boundary else n
+    return max(hit, min(max(n - back, 0), need))
+
+
 def _sent_bytes(hit: int, n: int) -> int:
-    """KV bytes a transfer of tokens [hit, n) moves when decode caches the prompt (fp32): every
-    token's window row, the compressed rows and index keys of the windows completed after `hit`,
-    the compressor state at each page end reached, and the state slot once."""
+    """KV bytes a transfer of tokens [hit, n) moves when decode caches the prompt (fp32): the
+    window rows from `_window_from` on, the compressed rows and index keys of the windows
+    completed after `hit`, the compressor state at each page end reached, and the state slot."""
     c, f32 = resolve(str(AGENT)).config, 4
     d, di = c.head_dim, c.index_head_dim
     total = 0
     for i, kind in enumerate(c.layer_types):
-        total += (n - hit) * d
+        total += (n - _window_from(c, hit, n)) * d
         if kind != SLIDING:
             r = c.compress_ratio(i)
             total += (n // r - hit // r) * d

@@ -111,16 +111,31 @@ def test_row_range(ratio, keep_last, start, end, n, rows):
     kind = CacheKind("x", t, PAGE, 0, ratio=ratio, keep_last=keep_last)
     assert kind.row_range(start, end, n) == rows
     if not keep_last:
-        assert kind.row_range(start, end, n, every_row=True) == rows
+        assert kind.row_range(start, end, n, resume_rows=True) == rows
 
 
 @pytest.mark.parametrize(
-    "start, end, n, rows", [(0, 22, 150, (0, 22)), (16, 150, 150, (16, 150)), (0, 10, 10, (0, 10))]
+    "keep_last, start, end, n, rows",
+    [
+        (15, 0, 150, 150, (128, 150)),  # + the last full page's 7 rows before the last window
+        (15, 0, 22, 150, (128, 128)),  # an early chunk: still nothing
+        (15, 132, 150, 150, (132, 150)),
+        (15, 0, 144, 144, (128, 144)),  # ends on a boundary: the old rule's 15 rows and 1
+        (15, 0, 20, 20, (0, 20)),  # the first page's rows are the last window's anyway
+        (15, 0, 10, 10, (0, 10)),  # no full page: no hit can end inside it
+        (40, 0, 150, 150, (96, 150)),  # a window over 2+ pages: the 3 pages before 144 whole
+    ],
 )
-def test_every_row_sends_a_windows_older_rows_too(start, end, n, rows):
-    """A decode that caches the prompt's pages asks for every row (`ReserveAck.every_row`)."""
-    kind = CacheKind("x", torch.zeros(4, 16, 2), PAGE, 0, keep_last=15)
-    assert kind.row_range(start, end, n, every_row=True) == rows
+def test_resume_rows_sends_the_rows_a_hit_at_the_last_full_page_reads(
+    keep_last, start, end, n, rows
+):
+    """A decode that caches the prompt's pages (`ReserveAck.resume_rows`) gets the window rows
+    of whole pages from the one holding token (last full page boundary - keep_last) on, so a
+    later hit ending at that boundary finds them; never fewer than the prompt's last window."""
+    kind = CacheKind("x", torch.zeros(4, 16, 2), PAGE, 0, keep_last=keep_last)
+    assert kind.row_range(start, end, n, resume_rows=True) == rows
+    old = kind.row_range(start, end, n)
+    assert rows[0] <= old[0] and rows[1] - rows[0] >= old[1] - old[0]
 
 
 def test_sharded_kind_describes_whole_rows_and_installs_its_heads():
