@@ -19,16 +19,11 @@ def row_index(
     return pages[units * ratio // page_size] * per_page + units % per_page
 
 
-def window_rows_from(prompt_len: int, page_size: int, lookback: int) -> int:
-    """The first prompt token whose sliding-window row a PD decode that caches the prompt's pages
-    must receive: the prompt's last `lookback` tokens (what its own decode reads), and the whole
-    pages holding the `lookback` tokens before the prompt's last full page boundary (what a later
-    prefix hit resuming there reads). Whole pages, so each cached page holds all its window rows
-    or is marked as lacking some (radix.py). `lookback` 0: no window, every row travels."""
-    if not lookback:
-        return 0
+def resume_rows_from(prompt_len: int, page_size: int, lookback: int) -> int:
+    """The first prompt token whose rows of a kind read `lookback` tokens back (a sliding
+    window: window - 1; a per-page value: page_size) a PD decode that caches the prompt's pages
+    must receive: those a later prefix hit ending at the prompt's last full page boundary reads,
+    [boundary - lookback, boundary), and the prompt's last `lookback` tokens (what its own next
+    step reads, all of them after that start). A prompt without a full page: the latter."""
     boundary = prompt_len // page_size * page_size
-    last = max(prompt_len - lookback, 0)
-    if not boundary:  # no full page: no hit can end inside this prompt
-        return last
-    return min(last, max(boundary - lookback, 0) // page_size * page_size)
+    return max((boundary or prompt_len) - lookback, 0)

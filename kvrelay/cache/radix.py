@@ -15,14 +15,15 @@ waits on). Host nodes hang below device nodes only (eviction takes device leaves
 back a path's host part from the top), and the host tier evicts its own least recently used
 leaves to make room.
 
-Rows-incomplete pages: a model with a sliding window (DeepSeek-V4) reads, when a request resumes
-at a boundary, the window rows of the `lookback` tokens before it. A PD decode caches the pages it
-receives, but prefill sends a window's older rows only for the pages a hit at the prompt's last
-full page boundary reads (paging.window_rows_from), so the pages before those are cached lacking
-window rows (`Node.rows_complete` False; every other kind of their KV is there). `match` ends at
-the deepest matched node whose own page and those within `lookback` before it are complete; the
-nodes past it stay (a longer prompt may pass through them to a complete node deeper). A complete
-page for the same tokens inserted later (computed here) replaces an incomplete node's page.
+Pages a request cannot resume after: a model with a sliding window (DeepSeek-V4) reads, when a
+request resumes at a page boundary, the window rows of the tokens just before it (and the
+compressor state kept at that page's end). A PD decode caches the pages it receives, but prefill
+sends those rows only for a hit at the prompt's last full page boundary (paging.resume_rows_from),
+so the pages ending before it are cached as not resumable (`Node.resumable` False; the rest of
+their KV, which a request passing through them reads, is there). `match` ends at the deepest
+resumable node of the matched path; the nodes past it stay (a longer prompt may pass through them
+to a resumable node deeper). A page for the same tokens computed here, inserted later, replaces a
+node's page that is not resumable.
 
 Invariants (`check_integrity`): a node's `lock` is the number of requests whose matched path ends
 at it or below it, so a locked node's ancestors are locked; a node with lock 0 is held by the tree
@@ -41,13 +42,14 @@ from kvrelay.cache.host_tier import HostTier
 
 
 class Node:
-    __slots__ = ("key", "page", "host", "parent", "children", "lock", "last_use", "rows_complete")
+    __slots__ = ("key", "page", "host", "parent", "children", "lock", "last_use", "resumable")
 
     def __init__(
-        self, key: tuple[int, ...], page: int, parent: Node | None, rows_complete: bool = True
+        self, key: tuple[int, ...], page: int, parent: Node | None, resumable: bool = True
     ) -> None:
         self.key, self.page, self.parent = key, page, parent
-        self.rows_complete = rows_complete  # all its window rows are there (stays with the node)
+        # a request can resume at its end (the rows it reads back are there); stays with the node
+        self.resumable = resumable
         self.host = 0  # host slot while the page lives in the host tier (then page is 0)
         self.children: dict[tuple[int, ...], Node] = {}
         self.lock = 0  # requests whose matched path passes through this node
@@ -55,12 +57,8 @@ class Node:
 
 
 class RadixCache:
-    def __init__(
-        self, page_size: int, pool: BlockPool, host: HostTier | None = None, lookback: int = 0
-    ) -> None:
+    def __init__(self, page_size: int, pool: BlockPool, host: HostTier | None = None) -> None:
         self.page_size, self.pool, self.host = page_size, pool, host
-        # pages ending at a boundary whose window rows a request resuming there reads (0: none)
-        self.lookback_pages = -(-lookback // page_size)
         self.root = Node((), 0, None)
         self.root.lock = 1  # never evicted, never counted
         self.num_pages = 0  # device pages the tree holds
@@ -93,13 +91,14 @@ class RadixCache:
 
     def match(self, tokens: Sequence[int]) -> tuple[list[int], Node]:
         """The pages of the longest cached prefix of `tokens` made of full pages that a request
-        can resume after (its window rows there are all present), and the node it ends at (the
+        can resume after (the rows it reads back there are present), and the node it ends at (the
         root when nothing matches). Marks the path as used now. Pages found in the host tier are
         loaded back first, as many as device pages can be made free for."""
         path, now = self._walk(tokens), next(self._clock)
         for node in path:
             node.last_use = now
-        path = path[: self._resumable(path)]
+        while path and not path[-1].resumable:  # a request resuming after it would lack rows
+            path.pop()
         on_device = next((i for i, n in enumerate(path) if not n.page), len(path))
         if on_device < len(path):
             path = path[:on_device] + self._load(path[on_device:])
@@ -114,15 +113,6 @@ class RadixCache:
                 break
             path.append(node)
         return path
-
-    def _resumable(self, path: list[Node]) -> int:
-        """How many of `path`'s nodes a request can resume after: the deepest boundary whose
-        `lookback_pages` pages before it hold all their window rows (the root always can)."""
-        k = self.lookback_pages
-        for depth in range(len(path), 0, -1):
-            if all(n.rows_complete for n in path[max(depth - k, 0) : depth]):
-                return depth
-        return 0
 
     def node_at(self, tokens: Sequence[int]) -> Node:
         """The node where the cached path of `tokens`' full pages ends, resumable or not (a
@@ -168,32 +158,32 @@ class RadixCache:
             self._refresh(node)
             node = node.parent
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int], rows_from: int = 0) -> int:
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], resume_from: int = 0) -> int:
         """Cache the full pages of a request's computed `tokens` (`pages`: its pages, in order;
-        those of them starting before token `rows_from` lack some window rows, see
-        Request.window_rows_from); returns how many pages the tree took a reference to (chunks
-        it already held keep the tree's page, and the request's copy goes back with the request,
-        unless the tree's lacks window rows and the request's does not; a chunk in the host tier
-        takes the request's page, which holds the same KV, and frees its host slot)."""
+        those of them ending before token `resume_from` are not resumable, see
+        Request.resume_from); returns how many pages the tree took a reference to (chunks it
+        already held keep the tree's page, and the request's copy goes back with the request,
+        unless only the request's is resumable; a chunk in the host tier takes the request's
+        page, which holds the same KV, and frees its host slot)."""
         n = min(len(tokens) // self.page_size, len(pages))
         node, now, added = self.root, next(self._clock), 0
         for i, key in enumerate(self._chunks(tokens, n)):
             child = node.children.get(key)
-            complete = i * self.page_size >= rows_from
+            resumable = (i + 1) * self.page_size >= resume_from
             if child is not None and child.page and child.page != pages[i]:
-                if complete and not child.rows_complete:
-                    # The request's own page (a shared one would be the tree's) holds every row:
-                    # it replaces the tree's, whose other holders keep their references.
+                if resumable and not child.resumable:
+                    # The request's own page (a shared one would be the tree's) has the rows: it
+                    # replaces the tree's, whose other holders keep their references.
                     self.pool.free([child.page])
-                    child.page, child.rows_complete = self.pool.share([pages[i]])[0], True
+                    child.page, child.resumable = self.pool.share([pages[i]])[0], True
                     added += 1
             elif child is None or not child.page:
                 if child is None:
-                    child = node.children[key] = Node(key, pages[i], node, complete)
+                    child = node.children[key] = Node(key, pages[i], node, resumable)
                 else:
                     self.host.slots.free([child.host])
                     child.host, child.page = 0, pages[i]
-                    child.rows_complete = complete
+                    child.resumable = resumable
                     self.num_host_pages -= 1
                 self.pool.share([pages[i]])
                 self.num_pages += 1

@@ -6,12 +6,14 @@ touch the tensors through these descriptions, so a new cache kind needs no chang
 - unit "page": first dim = page, second = rows within a page. Row j of a request covers tokens
   [j * ratio, (j + 1) * ratio) and is final once all of them are computed (a compressed entry
   exists only when its window is complete; a value kept per page, such as DeepSeek-V4's
-  compressor state at each page end, is one row of `page_size` tokens). `keep_last` > 0: decode's
-  step only ever reads the rows of the prompt's last `keep_last` tokens (a sliding window), so
-  older rows are not sent; a decode that caches the prompt's pages asks for `resume_rows`: the
-  rows of the page(s) before the prompt's last full page boundary too, which a later prefix hit
-  ending there reads (paging.window_rows_from; the older pages are cached lacking their rows,
-  and a hit never ends on them: radix.py). With a window within a page: at most a page more.
+  compressor state at each page end, is one row of `page_size` tokens). `keep_last` > 0: a
+  request continuing at token t reads only the rows of tokens [t - keep_last, t) (a sliding
+  window; a per-page value read only when resuming at its page's end), so decode gets the rows
+  of the prompt's last `keep_last` tokens only; a decode that caches the prompt's pages asks for
+  `resume_rows`: also those a later prefix hit ending at the prompt's last full page boundary
+  reads (paging.resume_rows_from: the window's rows from boundary - keep_last, i.e. prompt
+  length mod page size rows more). Pages ending before that boundary are cached as not
+  resumable, and a hit never ends on them (radix.py).
 - unit "slot": first dim = the request's state slot (per-request state, e.g. a compressor's
   open window). Only its value after the whole prompt matters: it is sent once, at the end.
 - `shard` (rank, world): the tensor holds only part `rank` of `world` equal parts of each row's
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrelay.cache.paging import row_index, window_rows_from
+from kvrelay.cache.paging import resume_rows_from, row_index
 
 PAGE, SLOT = "page", "slot"
 
@@ -74,7 +76,7 @@ class CacheKind:
         if self.keep_last:
             if resume_rows:
                 page_size = self.tensor.shape[1] * r
-                oldest = window_rows_from(prompt_len, page_size, self.keep_last)
+                oldest = resume_rows_from(prompt_len, page_size, self.keep_last)
             else:
                 oldest = max(prompt_len - self.keep_last, 0)
             first = max(first, oldest // r)

@@ -25,7 +25,7 @@ import msgspec
 # 5: ReserveAck.skip_tokens (decode holds a cached prefix); 6: ReserveAck.every_row, and a skip
 # for models with per-request state (DeepSeek-V4's per-page compressor state travels as a kind);
 # 7: ReserveAck.resume_rows replaces every_row (only the window rows a hit at the prompt's last
-# full page boundary reads, not every row)
+# full page boundary reads, not every row; a page's end state: the last full page's only)
 PROTOCOL_VERSION = 7
 
 # Field limits: a received message that breaks one is refused whole (msgspec.ValidationError).
@@ -116,9 +116,9 @@ class ReserveAck(msgspec.Struct, tag=True):
     # prompt tokens whose paged KV decode already holds (its prefix cache; whole pages, fewer
     # than the prompt): prefill sends page rows only for tokens from here on
     skip_tokens: Count = 0
-    # decode caches the prompt's pages for later hits: send a sliding window's rows from the page
-    # before the prompt's last full page boundary on (what a hit ending there reads), not only
-    # the prompt's last window (layout.CacheKind.row_range)
+    # decode caches the prompt's pages for later hits: send a sliding window's rows from the
+    # prompt's last full page boundary - (window - 1) on (what a hit ending there reads), not
+    # only the prompt's last window (layout.CacheKind.row_range)
     resume_rows: bool = False
 
     def __post_init__(self) -> None:

@@ -4,8 +4,8 @@ install it, then decode.
 Per request: RESERVED (the scheduler holds pages and, for models with per-request state, a state
 slot; with a prefix cache it shares, locked, the pages of the prompt's longest cached prefix, and
 the ack tells prefill to skip their tokens and, since the prompt's pages enter the cache, to send
-the window rows a later hit at the prompt's last full page boundary reads too (older pages are
-cached lacking their window rows: a hit never ends on them); waiting for prefill's ReserveRequest)
+the window rows (and page-end state) a later hit at the prompt's last full page boundary reads
+too (a hit never ends on the pages before it: radix.py); waiting for prefill's ReserveRequest)
 -> RECEIVING (matched; pieces arriving as prefill computes the prompt chunk by chunk, each
 checked: transfer id, request id, connection, cache kinds, token range (continuing where each
 kind's rows end: the first page piece where the cached prefix ends), size, checksum) -> DONE (installed; the
@@ -54,7 +54,8 @@ class DecodeTransfer:
     sm: P.TransferStateMachine
     conn: Connection | None = None
     filled: dict[str, int] = field(default_factory=dict)  # per cache kind: prompt tokens installed
-    # the prompt's pages go to decode's prefix cache: the window rows a hit reads must arrive too
+    # the prompt's pages go to decode's prefix cache: the rows a hit at its last full page reads
+    # must arrive too
     resume_rows: bool = False
     num_chunks: int = 0
     reserved: float = field(default_factory=time.monotonic)  # when decode reserved its pages
@@ -408,7 +409,7 @@ class DecodeReceiver(TransferAgent):
         self._observe("transfer", time.monotonic() - t.reserved)  # reserved -> all installed
         self._observe("install", t.install_s)
         req.num_computed = len(req.prompt_ids)
-        req.window_rows_from = self._window_rows_from(t, len(req.prompt_ids))
+        req.resume_from = self._resume_from(t, len(req.prompt_ids))
         # usage: prompt tokens whose KV was reused, by prefill (not computed) or here (not moved)
         req.num_cached_tokens = max(f.cached_tokens, req.matched_tokens)
         req.output_ids.append(f.token_id)
@@ -436,11 +437,13 @@ class DecodeReceiver(TransferAgent):
         else:
             eng.scheduler.admit_transferred(req)
 
-    def _window_rows_from(self, t: DecodeTransfer, n: int) -> int:
-        """The first prompt token whose sliding-window rows arrived (the prefix cache marks the
-        pages before it as lacking rows, radix.py); 0: no window kind, every row arrived."""
+    def _resume_from(self, t: DecodeTransfer, n: int) -> int:
+        """The first page boundary where a request could resume from the received pages: every
+        kind read back `keep_last` tokens has its rows from there - keep_last on (the prefix
+        cache marks the pages ending before it as not resumable, radix.py); 0: all rows came."""
         kinds = [k for k in self.kind_by_name.values() if k.unit == PAGE and k.keep_last]
-        return min((k.row_range(0, n, n, t.resume_rows)[0] * k.ratio for k in kinds), default=0)
+        firsts = [(k.row_range(0, n, n, t.resume_rows)[0] * k.ratio, k.keep_last) for k in kinds]
+        return max((first + back for first, back in firsts if first), default=0)
 
     def _drop(self, t: DecodeTransfer, fence: bool) -> None:
         """End a transfer here. `fence`: prefill was just told, and may still be writing into the

@@ -82,8 +82,6 @@ class DeepseekV4Runner:
             fuse_projections(self.model)
         # Admission keeps running requests <= max_running_requests, so a slot is always free.
         self.num_state_slots = num_slots  # the scheduler hands them out (slot 0 never)
-        # a request resuming at a prefix hit reads the window rows of the tokens just before it
-        self.window_lookback = self.cache.window - 1
         pool_tokens = (num_pages - 1) * self.page_size
         self.max_model_len = min(cfg.max_model_len or c.max_position_embeddings, pool_tokens)
         self.graphs = None
@@ -115,7 +113,8 @@ class DeepseekV4Runner:
         """Every tensor of the pool, described for a PD transfer: the window KV (only its last
         window - 1 tokens are read again), compressed entries and index keys (a row per
         `ratio` tokens), the compressors' state at each page end (one row per page, final once
-        the page is), and the compressors' per-request state slots."""
+        the page is, read only by a prefix hit ending there), and the compressors' per-request
+        state slots."""
         pool = self.cache
         compressors = [s for s in pool.comp_slots + pool.index_slots if s is not None]
         slot_tensors = {
@@ -133,7 +132,9 @@ class DeepseekV4Runner:
             if id(t) in slot_tensors:
                 kinds.append(CacheKind(name, t, SLOT, layer))
             elif id(t) in page_end_tensors:  # [pages, ratio, d] as one row of page_size tokens
-                kinds.append(CacheKind(name, t.unsqueeze(1), PAGE, layer, ratio=self.page_size))
+                # read only by a request resuming at that page's end: the last full page's goes
+                view, ps = t.unsqueeze(1), self.page_size
+                kinds.append(CacheKind(name, view, PAGE, layer, ratio=ps, keep_last=ps))
             elif t is pool.swa[layer]:
                 kinds.append(CacheKind(name, t, PAGE, layer, keep_last=pool.window - 1))
             else:

@@ -35,7 +35,7 @@ class Engine:
         self.host_tier, host = self._host_tier_choice()
         self.scheduler = Scheduler(
             cfg.scheduler, r.num_pages, r.page_size, r.num_state_slots,
-            self.prefix_cache == "on", self.host_tier, r.window_lookback,
+            self.prefix_cache == "on", self.host_tier,
         )  # fmt: skip
         log.info("prefix_cache=%s host_tier=%s role=%s", self.prefix_cache, host, cfg.role)
         self.eos_ids = set(self.src.config.eos_token_ids)
@@ -67,7 +67,7 @@ class Engine:
             return "off (not supported for this model family yet)"
         # A PD decode caches what it receives too (DeepSeek-V4 included: the per-page compressor
         # state travels as a cache kind, and a hit never ends on a received page that lacks the
-        # window rows a request resuming there reads).
+        # rows a request resuming there reads).
         if self.cfg.tensor_parallel_size > 1 and self.runner.num_state_slots:
             # A hit restores the request's state slot (DeepSeek-V4's compressor state) from its
             # last shared page on rank 0 only; the other ranks' slots would miss it.

@@ -81,7 +81,6 @@ class ModelRunner:
         self.model_cfg = src.config
         self._kinds: list[CacheKind] | None = None  # transfer_layout(), for PD decode installs
         self.num_state_slots = 0  # dense models keep no per-request state outside the KV pages
-        self.window_lookback = 0  # nor a sliding window: a resume reads every earlier page whole
         backend = cfg.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"

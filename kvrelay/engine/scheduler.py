@@ -67,7 +67,6 @@ class Scheduler:
         num_state_slots: int = 0,
         prefix_cache: bool = False,
         host_tier: HostTier | None = None,
-        window_lookback: int = 0,
     ) -> None:
         self.cfg, self.page_size = cfg, page_size
         self.page_pool = BlockPool(num_pages, "page")
@@ -75,13 +74,7 @@ class Scheduler:
         # the pages; sized max_running_requests + 1, so admission never runs out.
         self.slot_pool = BlockPool(num_state_slots, "state slot") if num_state_slots else None
         # The host tier (host_tier.py) keeps what the prefix cache evicts, for later hits.
-        # window_lookback: tokens before a resume point whose sliding-window rows a request
-        # resuming there reads (DeepSeek-V4: window - 1); a hit never ends where they lack
-        self.prefix = (
-            RadixCache(page_size, self.page_pool, host_tier, window_lookback)
-            if prefix_cache
-            else None
-        )
+        self.prefix = RadixCache(page_size, self.page_pool, host_tier) if prefix_cache else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.reserved: list[Request] = []  # KV held for transfers still arriving (PD decode)
@@ -183,7 +176,7 @@ class Scheduler:
         if self.prefix is not None:
             if cache:
                 tokens = req.token_slice(0, req.num_computed)
-                self.prefix.insert(tokens, req.pages, req.window_rows_from)
+                self.prefix.insert(tokens, req.pages, req.resume_from)
             if req.prefix_node is not None:
                 self.prefix.unlock(req.prefix_node)
                 req.prefix_node = None
@@ -445,7 +438,7 @@ class Scheduler:
         if min(req.num_computed, n) // ps <= min(before, n) // ps:
             return  # no prompt page completed
         tokens = req.prompt_ids[: min(req.num_computed, n) // ps * ps]
-        self.prefix.insert(tokens, req.pages, req.window_rows_from)
+        self.prefix.insert(tokens, req.pages, req.resume_from)
         node = self.prefix.node_at(tokens)  # the path now ends where tokens do
         self.prefix.lock(node)
         if req.prefix_node is not None:

@@ -6,9 +6,9 @@ back, the host tier evicts too). No model: a simulated KV records which token ea
 holds (and a simulated gate moves those records to host slots and back, in order, when a step
 passes it), so a request that attends to a shared page is checked to see the right tokens there.
 With a sliding window (`lookback` > 0) it also records each position's window row: a PD transfer
-writes them only from paging.window_rows_from on (its older pages are cached lacking rows), and
-every step checks that a request reads present, right rows for the `lookback` tokens before it
-(so a match never resumes where a received page lacks them).
+writes them only from paging.resume_rows_from on (the pages ending before the prompt's last full
+page boundary are cached as not resumable), and every step checks that a request reads present,
+right rows for the `lookback` tokens before it (a match never resumes where they lack).
 
 After every operation: refcounts agree with the owners (requests, fences, the tree); host slots
 are held by the tree's host nodes alone, each once; a page a request may still write is its own
@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from kvrelay.cache.block_pool import OutOfPages
 from kvrelay.cache.host_tier import HostTier
-from kvrelay.cache.paging import window_rows_from
+from kvrelay.cache.paging import resume_rows_from
 from kvrelay.config import SchedulerConfig
 from kvrelay.engine.messages import SamplingParams
 from kvrelay.engine.request import Request, Status
@@ -81,9 +81,7 @@ class World:
         self.rows: dict[tuple[int, int], int | None] = {}  # the same, of its window row
         self.tier = HostTier(host_pages, SimulatedGate(self.kv, self.rows)) if host_pages else None
         self.lookback = lookback  # tokens before a position whose window rows it reads
-        self.s = Scheduler(
-            cfg, num_pages, PS, prefix_cache=True, host_tier=self.tier, window_lookback=lookback
-        )
+        self.s = Scheduler(cfg, num_pages, PS, prefix_cache=True, host_tier=self.tier)
         self.n = 0
 
     def request(self, prefix: int, tail: int, max_tokens: int) -> Request:
@@ -101,10 +99,12 @@ class World:
 
     def arrive(self, req: Request) -> None:
         """A reserved transfer's KV lands (after its cached prefix), window rows from where a
-        decode that caches receives them, and the request is admitted."""
+        decode that caches receives them, and the request is admitted resumable from the
+        boundary they serve on (as the receiver marks it)."""
         n = len(req.prompt_ids)
-        req.window_rows_from = window_rows_from(n, PS, self.lookback)
-        self.write(req, req.matched_tokens, n, req.window_rows_from)
+        rows_from = resume_rows_from(n, PS, self.lookback) if self.lookback else 0
+        req.resume_from = rows_from + self.lookback if rows_from else 0
+        self.write(req, req.matched_tokens, n, rows_from)
         req.num_computed = n
         req.output_ids.append(300)
         self.s.admit_transferred(req)
@@ -266,16 +266,16 @@ def test_a_resent_prompt_hits_and_leaves_one_token_to_compute() -> None:
 
 @pytest.mark.parametrize("lookback", [3, 6])
 def test_a_received_prompt_is_never_resumed_where_it_lacks_window_rows(lookback: int) -> None:
-    """A 13-token prompt received (window rows from token 8 (lookback 3: the last full page's)
-    or 4 (lookback 6: the two pages before 12)), then a 9-token prompt that shares its first 8
-    tokens and a 13-token one that shares all of them: the first may not resume at 8 (the rows
-    of 5..7 or 2..7 are absent), the second resumes at 12."""
+    """A 13-token prompt received (window rows from token 12 - lookback: 9 or 6), then a
+    9-token prompt that shares its first 8 tokens and a 13-token one that shares all of them:
+    the first may not resume at 8 (the rows of 5..7 or 2..7 are absent), the second resumes at
+    12."""
     w = World(64, 64, 1.0, lookback=lookback)
     s = w.s
     r = w.request(1, 0, 3)  # [1] * 8 + [2] * 5
     s.reserve_transfer(r)
     w.arrive(r)
-    assert r.window_rows_from == {3: 8, 6: 4}[lookback]
+    assert r.resume_from == 12
     while s.has_work:
         w.step()
         w.check()

@@ -1,16 +1,17 @@
 """DeepSeek-V4 PD decode with its own prefix cache (engines in one process, dsv4-tiny dummy
 weights, CPU float32, real TCP): a turn whose prompt begins with what decode holds moves only the
 rest, and decodes the tokens of a single engine; turn 1 moves what a decode without the cache
-gets plus the window rows of the prompt's last full page (what a hit ending there reads); a page
-decode caches from a transfer holds, tensor by tensor, what a page computed by a single engine
-holds (compressed KV, index keys and their fp8 scales, the compressor state at the page end, and
-the window rows that were sent), and a page received without all its window rows never ends a
-match; a conversation sharing only such pages gets a shorter hit (or none) and still answers
-like the single engine; a request preempted on decode recomputes from a complete page.
+gets plus the window rows a hit at the prompt's last full page boundary reads; a page decode
+caches from a transfer holds, tensor by tensor, what a page computed by a single engine holds
+(compressed KV, index keys and their fp8 scales, and the window rows and compressor state at the
+page end that were sent), and a page received without them never ends a match; a conversation
+sharing only such pages gets a shorter hit (or none) and still answers like the single engine; a
+request preempted on decode recomputes from a resumable page.
 
-Pages hold 16 tokens and the sliding window is 16 (a resume reads the 15 tokens before it): a
-70-token prompt's window rows travel from token 48 (its last full page, 48..63) on, so its pages
-0..2 are cached lacking them.
+Pages hold 16 tokens and the sliding window is 16 (a resume at t reads the rows of t-15..t-1,
+and the compressor state kept at the end of the page before t): a 70-token prompt's window rows
+travel from token 49 on (a hit at 64 reads them; decode's own step 55..69) and the compressor
+state of its page 3 only, so its pages 0..2 are cached as not resumable.
 """
 
 from __future__ import annotations
@@ -70,32 +71,38 @@ def _state_bytes(kinds) -> int:
     return sum(k.row_bytes for k in kinds if k.unit == SLOT)
 
 
+def _bytes_of(kinds, word: str) -> int:
+    """One row of every kind named with `word` ("swa": a token's window rows; "page_prev": a
+    page's compressor state at its end), every layer."""
+    return sum(k.row_bytes for k in kinds if word in k.name)
+
+
+def _compressed_bytes(kinds, hit: int, n: int) -> int:
+    """Compressed KV and index keys completed by tokens [hit, n)."""
+    return sum(
+        k.row_bytes * (n // k.ratio - hit // k.ratio)
+        for k in kinds
+        if k.unit == PAGE and not k.keep_last
+    )
+
+
 def _window_only_bytes(kinds, tokens: int) -> int:
-    """What a decode without the cache receives of a prompt: the window's rows of its last
-    `keep_last` tokens only, every other page kind whole."""
-    total = 0
-    for k in kinds:
-        if k.unit == PAGE:
-            total += k.row_bytes * (min(tokens, k.keep_last) if k.keep_last else tokens // k.ratio)
-    return total + _state_bytes(kinds)
-
-
-def _window_row_bytes(kinds) -> int:
-    """One token's window rows, every layer."""
-    return sum(k.row_bytes for k in kinds if k.keep_last)
+    """What a decode without the cache receives of a prompt: the window rows of its last 15
+    tokens, the compressor state of its last full page, every compressed row, the state."""
+    window = _bytes_of(kinds, "swa") * min(tokens, 15)
+    page_end = _bytes_of(kinds, "page_prev") * (tokens // 16 - max(tokens - 16, 0) // 16)
+    return window + page_end + _compressed_bytes(kinds, 0, tokens) + _state_bytes(kinds)
 
 
 def _sent_bytes(kinds, hit: int, n: int) -> int:
-    """What a transfer to a caching decode that holds `hit` tokens moves of an n-token prompt:
-    the compressed rows, index keys and page-end states completed after `hit`, the window rows
-    from max(hit, the start of the page before the last full page boundary) on (16-token pages,
-    a 15-token lookback: that one page), and the state."""
-    rows_from = max(hit, min(n - 15, n // 16 * 16 - 16))
-    total = _window_row_bytes(kinds) * (n - rows_from)
-    for k in kinds:
-        if k.unit == PAGE and not k.keep_last:
-            total += k.row_bytes * (n // k.ratio - hit // k.ratio)
-    return total + _state_bytes(kinds)
+    """What a transfer to a caching decode that holds `hit` tokens moves of an n-token prompt
+    (with a full page): the window rows from max(hit, last full page boundary - 15) on, the
+    compressor state of the last full page unless decode holds it, the compressed rows completed
+    after `hit`, the state."""
+    boundary = n // 16 * 16
+    window = _bytes_of(kinds, "swa") * (n - max(hit, boundary - 15))
+    page_end = _bytes_of(kinds, "page_prev") * (hit < boundary)
+    return window + page_end + _compressed_bytes(kinds, hit, n) + _state_bytes(kinds)
 
 
 def _two_turns(pair, single: Engine, n: int, turn1: int = TURN1) -> tuple[int, int, list, list]:
@@ -134,9 +141,15 @@ def test_a_second_turn_moves_only_what_decode_does_not_hold(single, n: int) -> N
         bytes1, bytes2, _, outs2 = _two_turns(pair, single, n)
         state = _state_bytes(kinds)
         # Turn 1: all reserved before any arrived, so nothing shared; what a decode without the
-        # cache receives (the window rows of tokens 55..69), plus the 7 window rows 48..54 (the
-        # rest of the last full page, 48..63: a hit at 64 reads back to 49), the state once.
-        assert bytes1 == n * (_window_only_bytes(kinds, TURN1) + 7 * _window_row_bytes(kinds))
+        # cache receives (window rows 55..69, page 3's compressor state), plus the 6 window rows
+        # 49..54 (70 mod 16: a hit at 64 reads back to 49); before the page-end state travelled
+        # at all, that was 6 window rows and 1 page-end state less.
+        no_cache = _window_only_bytes(kinds, TURN1)
+        assert bytes1 == n * (no_cache + 6 * _bytes_of(kinds, "swa"))
+        before_page_ends = no_cache - _bytes_of(kinds, "page_prev")
+        assert bytes1 == n * (
+            before_page_ends + 6 * _bytes_of(kinds, "swa") + _bytes_of(kinds, "page_prev")
+        )
         assert bytes1 == n * _sent_bytes(kinds, 0, TURN1)
         assert bytes1 < n * (_complete_rows_bytes(kinds, TURN1) + state)  # every row: more
         # Turn 2: decode holds 80 of the 92 tokens (5 pages: turn 1's prompt received, its
@@ -172,13 +185,14 @@ def test_a_page_received_equals_the_page_computed_by_a_single_engine(index_k: st
     """Decode's cached pages of a two-turn conversation against a single engine's, computed in
     the same chunks: equal, bit for bit, for every per-page tensor the pool owns (found by
     walking the pool, not listed here: a kind missing from the transfer stays zero on decode),
-    but the window rows of the pages received without them, which no match ends on.
+    but the window rows and page-end state that were not sent: a page lacking those a resume
+    at its end reads never ends a match.
 
-    Turn 1 (68 tokens) is received, its window rows from token 48 (page 3) on; decode computes
+    Turn 1 (68 tokens) is received, its window rows from token 49 on; decode computes
     its answer (to 79 tokens: 4 full pages, the 4 that prefill and the single engine cache too,
     so all three resume turn 2 at 64 and compute it in the same 22-token chunks); turn 2 (90
-    tokens) is received from token 64; decode computes its answer (to 101: page 5 is half
-    received, half computed there)."""
+    tokens) is received from token 64 (window rows from 65); decode computes its answer (to 101:
+    page 5 is half received, half computed there)."""
     single = dsv4_engine("single", index_k=index_k)  # 22-token chunks, as prefill
     with pairs() as make:
         pair = make(*(dsv4_engine(role, index_k=index_k) for role in ("prefill", "decode")))
@@ -193,24 +207,21 @@ def test_a_page_received_equals_the_page_computed_by_a_single_engine(index_k: st
         assert "page_prev_kv" in names and "swa" in names
         assert ("index_k_scale" in names) == (index_k == "fp8")
         prefix = pair.d.scheduler.prefix
-        complete = [prefix.node_at(ids[: 16 * (k + 1)]).rows_complete for k in range(6)]
-        assert complete == [False] * 3 + [True] * 3
+        resumable = [prefix.node_at(ids[: 16 * (k + 1)]).resumable for k in range(6)]
+        assert resumable == [False] * 3 + [True] * 3
         # A match never ends on pages 0..2 (a request resuming there would read absent rows).
-        assert [len(_pages_of(pair.d, ids[: 16 * k + 1])) for k in range(1, 7)] == [
-            0,
-            0,
-            0,
-            4,
-            5,
-            6,
-        ]
+        matched = [len(_pages_of(pair.d, ids[: 16 * k + 1])) for k in range(1, 7)]
+        assert matched == [0, 0, 0, 4, 5, 6]
         for name, t in d_pool.items():
+            window, page_end = name.startswith("swa"), "page_prev" in name
             for k, (dp, sp) in enumerate(zip(mine, theirs, strict=True)):
-                same = torch.equal(t[dp], s_pool[name][sp])
-                if name.startswith("swa") and not complete[k]:
-                    assert not same, f"{name} page {k}: window rows that were never sent"
+                a, b = t[dp], s_pool[name][sp]
+                if window:  # a resume at the page end reads its rows 1..15
+                    a, b = a[1:], b[1:]
+                if (window or page_end) and not resumable[k]:
+                    assert not torch.equal(a, b), f"{name} page {k}: rows that were never sent"
                 else:
-                    assert same, f"{name} page {k}"
+                    assert torch.equal(a, b), f"{name} page {k}"
         pair.assert_clean()
 
 
@@ -221,17 +232,17 @@ def test_a_page_received_equals_the_page_computed_by_a_single_engine(index_k: st
         (40, None),  # it needs 7: its growth evicts the newer one's pages 3 and 2
     ],
 )
-def test_a_request_preempted_on_decode_resumes_only_from_a_complete_received_page(
+def test_a_request_preempted_on_decode_resumes_only_from_a_resumable_received_page(
     single, max_tokens: int, resumed_page: int | None
 ) -> None:
     """Decode's pool (9 usable pages of 16) holds two 64-token prompts but not their answers
-    (the first decode step of both needs a 5th page each): the newer request is
-    preempted, its 4 received pages go to the cache (pages 0..2 lacking the window rows before
-    token 48), and it recomputes once the survivor is done. With page 3 still cached it resumes
-    at 64: its state slot restored from the compressor state kept with page 3, its window from
-    page 3's rows (49..63: they lie outside the prompt's last window, and only a decode that
-    caches receives them). With pages 3 and 2 evicted, a hit would end at page 1, whose window
-    rows are absent: it takes none and recomputes all. Both answers are the single engine's."""
+    (the first decode step of both needs a 5th page each): the newer request is preempted, its
+    4 received pages go to the cache (pages 0..2 lacking the window rows before token 49 and
+    their compressor state), and it recomputes once the survivor is done. With page 3 still
+    cached it resumes at 64: its state slot restored from the compressor state kept with page 3
+    (received), its window from rows 49..63. With pages 3 and 2 evicted, a hit would end at
+    page 1, whose rows are absent: it takes none and recomputes all. Both answers are the
+    single engine's."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     prompts = [[(5 * i + 3 * j + i * j) % 240 + 5 for j in range(64)] for i in range(2)]
     want = generate(single, prompts, params)
@@ -270,11 +281,12 @@ def test_a_request_preempted_on_decode_resumes_only_from_a_complete_received_pag
 def test_a_hit_that_would_end_on_a_page_lacking_window_rows_ends_earlier(single) -> None:
     """Conversations through one PD pair, one after another, sharing ever fewer pages:
     A (37 tokens: pages 0..1 of the system prompt and 5 of its own) is received with window rows
-    from 16 on, so page 0 lacks them, page 1 does not; B (the whole 40-token system prompt + 30)
-    hits A's pages 0..1 (32: page 1 is complete) and receives the rest, window rows from 48 on,
-    so its page 2 lacks them; C shares B's first 50 tokens: its match passes pages 0..2 but ends
-    at page 1 (32, not 48); D shares only page 0 (incomplete): no hit at all. Each answers like
-    the single engine, and moves exactly what its hit leaves."""
+    from 17 on and page 1's compressor state, so a request can resume after page 1, not page 0;
+    B (the whole 40-token system prompt + 30) hits A's pages 0..1 (32) and receives the rest,
+    window rows from 49 on, so it cannot resume after its page 2; C shares B's first 50 tokens:
+    its match passes pages 0..2 but ends at page 1 (32, not 48); D shares only page 0 (not
+    resumable): no hit at all. Each answers like the single engine, and moves exactly what its
+    hit leaves."""
     b = SYSTEM + _user(1, 1, 30)
     convs = {
         "A": (SYSTEM[:32] + _user(0, 1, 5), 0),
@@ -292,7 +304,7 @@ def test_a_hit_that_would_end_on_a_page_lacking_window_rows_ends_earlier(single)
             assert _sent(pair) - before == _sent_bytes(kinds, hit, len(ids)), name
             assert _tokens(outs) == _tokens(generate(single, [ids], PARAMS)[0]), name
             if name == "B":  # what makes C's hit shorter: B's page 2 is cached lacking rows
-                assert not prefix.node_at(b[:48]).rows_complete
-                assert prefix.node_at(b[:32]).rows_complete
-                assert not prefix.node_at(b[:16]).rows_complete
+                assert not prefix.node_at(b[:48]).resumable
+                assert prefix.node_at(b[:32]).resumable
+                assert not prefix.node_at(b[:16]).resumable
         pair.assert_clean()

@@ -4,8 +4,8 @@ for token at concurrency 1 and 8, and turn 2 moves only what decode's own prefix
 
 The system prompt makes turn 1 ~170 tokens, past one 128-token page (the page size: a multiple
 of the ratio-4 and ratio-128 compressors) and its 64-token sliding window: decode caches that
-page whole (its window rows too: a hit at 128 reads them back to 65; compressed KV, index keys
-and the compressor state at its end) and turn 2 resumes from it. The bytes are counted from the
+page (compressed KV, index keys, the compressor state at its end, and its window rows from 65
+on: what a hit at 128 reads) and turn 2 resumes from it. The bytes are counted from the
 model's shape, not from the code that sends them.
 """
 
@@ -53,17 +53,17 @@ def stacks():
 
 def _window_from(c, hit: int, n: int) -> int:
     """The first token whose window row travels to a caching decode that holds `hit`: the
-    prompt's last window - 1 tokens, and the whole page(s) holding the window - 1 tokens before
-    its last full page boundary (what a hit ending there reads)."""
-    back, boundary = c.sliding_window - 1, n // PAGE * PAGE
-    need = max(boundary - back, 0) // PAGE * PAGE if boundary else n
-    return max(hit, min(max(n - back, 0), need))
+    window - 1 tokens before the prompt's last full page boundary (what a hit ending there
+    reads) and all after them (the prompt's last window - 1 among them)."""
+    boundary = n // PAGE * PAGE
+    return max(hit, (boundary or n) - (c.sliding_window - 1), 0)
 
 
 def _sent_bytes(hit: int, n: int) -> int:
     """KV bytes a transfer of tokens [hit, n) moves when decode caches the prompt (fp32): the
     window rows from `_window_from` on, the compressed rows and index keys of the windows
-    completed after `hit`, the compressor state at each page end reached, and the state slot."""
+    completed after `hit`, the compressor state at the prompt's last full page end (unless
+    decode holds that page), and the state slot."""
     c, f32 = resolve(str(AGENT)).config, 4
     d, di = c.head_dim, c.index_head_dim
     total = 0
@@ -75,7 +75,7 @@ def _sent_bytes(hit: int, n: int) -> int:
         if kind == CSA:
             r = c.csa_compress_ratio
             total += (n // r - hit // r) * di
-            total += (n // PAGE - hit // PAGE) * 2 * r * (d + di)  # page ends: kv + score
+            total += (hit < n // PAGE * PAGE) * 2 * r * (d + di)  # page end: kv + score
     return total * f32 + DeepseekV4CachePool.bytes_per_slot(c, torch.float32)
 
 

@@ -72,7 +72,7 @@ def test_dsv4_layout_names_every_pool_tensor_once(dsv4):
     per_page = {t.data_ptr() for t in page_tensors(pool).values()}
     assert per_page == {k.tensor.data_ptr() for k in kinds.values() if k.unit == PAGE}
     page_end = kinds["L1.c4_index_state.page_prev_kv"]
-    assert page_end.unit == PAGE and page_end.ratio == dsv4.runner.page_size
+    assert page_end.unit == PAGE and page_end.ratio == page_end.keep_last == dsv4.runner.page_size
     assert page_end.tensor.shape[1] == 1 and "L2.c16_state.page_prev_kv" not in kinds
     assert kinds["L0.swa_kv"].keep_last == pool.cfg.sliding_window - 1
     assert (kinds["L1.c4_kv"].ratio, kinds["L1.c4_index_k"].ratio) == (4, 4)
@@ -115,24 +115,27 @@ def test_row_range(ratio, keep_last, start, end, n, rows):
 
 
 @pytest.mark.parametrize(
-    "keep_last, start, end, n, rows",
+    "ratio, keep_last, start, end, n, rows",
     [
-        (15, 0, 150, 150, (128, 150)),  # + the last full page's 7 rows before the last window
-        (15, 0, 22, 150, (128, 128)),  # an early chunk: still nothing
-        (15, 132, 150, 150, (132, 150)),
-        (15, 0, 144, 144, (128, 144)),  # ends on a boundary: the old rule's 15 rows and 1
-        (15, 0, 20, 20, (0, 20)),  # the first page's rows are the last window's anyway
-        (15, 0, 10, 10, (0, 10)),  # no full page: no hit can end inside it
-        (40, 0, 150, 150, (96, 150)),  # a window over 2+ pages: the 3 pages before 144 whole
+        (1, 15, 0, 150, 150, (129, 150)),  # + 6 rows: a hit at 144 reads back to 129
+        (1, 15, 0, 22, 150, (129, 129)),  # an early chunk: still nothing
+        (1, 15, 132, 150, 150, (132, 150)),
+        (1, 15, 0, 144, 144, (129, 144)),  # ends on a boundary: what decode reads anyway
+        (1, 15, 0, 20, 20, (1, 20)),  # a hit at 16 reads back to 1, decode's step to 5
+        (1, 15, 0, 10, 10, (0, 10)),  # no full page: no hit can end inside it
+        (1, 40, 0, 150, 150, (104, 150)),  # a window over pages: 144 - 40
+        (16, 16, 0, 150, 150, (8, 9)),  # a per-page value: the last full page's
+        (16, 16, 0, 40, 40, (1, 2)),
     ],
 )
 def test_resume_rows_sends_the_rows_a_hit_at_the_last_full_page_reads(
-    keep_last, start, end, n, rows
+    ratio, keep_last, start, end, n, rows
 ):
-    """A decode that caches the prompt's pages (`ReserveAck.resume_rows`) gets the window rows
-    of whole pages from the one holding token (last full page boundary - keep_last) on, so a
-    later hit ending at that boundary finds them; never fewer than the prompt's last window."""
-    kind = CacheKind("x", torch.zeros(4, 16, 2), PAGE, 0, keep_last=keep_last)
+    """A decode that caches the prompt's pages (`ReserveAck.resume_rows`) gets the rows of the
+    keep_last tokens before the prompt's last full page boundary too (a later hit ending there
+    reads them); never fewer than without the cache."""
+    t = torch.zeros(4, 16 // ratio, 2)
+    kind = CacheKind("x", t, PAGE, 0, ratio=ratio, keep_last=keep_last)
     assert kind.row_range(start, end, n, resume_rows=True) == rows
     old = kind.row_range(start, end, n)
     assert rows[0] <= old[0] and rows[1] - rows[0] >= old[1] - old[0]
