@@ -47,7 +47,7 @@ class CacheConfig:
     max_total_tokens: int | None = None  # None: sized from free memory
     memory_fraction: float = 0.85  # of free device memory (GPU) or available RAM x 0.3 (CPU)
     index_k_dtype: str = "auto"  # DeepSeek-V4 index keys: auto (model dtype) | fp8 (+ row scale)
-    # Radix prefix cache over token ids (off on PD decode).
+    # Radix prefix cache over token ids (off for DeepSeek-V4 under tensor parallel).
     prefix_cache: bool = True
     # GiB of host memory for prefix pages evicted from the device (0: evicted pages are dropped).
     host_cache_gb: float = 0.0

@@ -17,10 +17,13 @@ window's), and each page keeps, for every overlapping compressor, the prev state
 token (`page_prev_*`, the first halves of the window that closes at the page end). At a page
 end every compressor's open window is empty (the page size is a multiple of every ratio), so
 that prev state is all a request continuing from a shared page needs in its slot
-(`restore_slot`). The `page_prev_*` tensors are read only after a prefix hit, so they are not
-transfer kinds (the PD decode role runs without the prefix cache).
+(`restore_slot`). The `page_prev_*` tensors are read only after a prefix hit, yet they travel
+like every other kind: a PD decode caches the pages it receives, and a later local hit there (a
+preempted request recomputing) restores its slot from them.
 
-Every tensor is named in `kinds`, so a transfer can ship a request's pages and slot by name.
+Every tensor is named in `kinds` (per-page ones: first dim = page; per-request: first dim =
+slot), so a transfer ships a request's pages and slot by name, and a page received holds what a
+page computed here holds.
 """
 
 from __future__ import annotations
@@ -143,6 +146,8 @@ class DeepseekV4CachePool:
         if s.overlap:
             self.kinds[f"{prefix}.prev_kv"] = s.prev_kv
             self.kinds[f"{prefix}.prev_score"] = s.prev_score
+            self.kinds[f"{prefix}.page_prev_kv"] = s.page_prev_kv  # per page, not per slot
+            self.kinds[f"{prefix}.page_prev_score"] = s.page_prev_score
 
     @staticmethod
     def bytes_per_page(cfg: DeepseekV4Config, page_size: int, dtype: torch.dtype) -> int:

@@ -15,6 +15,16 @@ waits on). Host nodes hang below device nodes only (eviction takes device leaves
 back a path's host part from the top), and the host tier evicts its own least recently used
 leaves to make room.
 
+Pages a request cannot resume after: a model with a sliding window (DeepSeek-V4) reads, when a
+request resumes at a page boundary, the window rows of the tokens just before it (and the
+compressor state kept at that page's end). A PD decode caches the pages it receives, but prefill
+sends those rows only for a hit at the prompt's last full page boundary (paging.resume_rows_from),
+so the pages ending before it are cached as not resumable (`Node.resumable` False; the rest of
+their KV, which a request passing through them reads, is there). `match` ends at the deepest
+resumable node of the matched path; the nodes past it stay (a longer prompt may pass through them
+to a resumable node deeper). A page for the same tokens computed here, inserted later, replaces a
+node's page that is not resumable.
+
 Invariants (`check_integrity`): a node's `lock` is the number of requests whose matched path ends
 at it or below it, so a locked node's ancestors are locked; a node with lock 0 is held by the tree
 alone (refcount 1), and every unlocked node can be evicted, leaves first, least recently used
@@ -32,10 +42,14 @@ from kvrelay.cache.host_tier import HostTier
 
 
 class Node:
-    __slots__ = ("key", "page", "host", "parent", "children", "lock", "last_use")
+    __slots__ = ("key", "page", "host", "parent", "children", "lock", "last_use", "resumable")
 
-    def __init__(self, key: tuple[int, ...], page: int, parent: Node | None) -> None:
+    def __init__(
+        self, key: tuple[int, ...], page: int, parent: Node | None, resumable: bool = True
+    ) -> None:
         self.key, self.page, self.parent = key, page, parent
+        # a request can resume at its end (the rows it reads back are there); stays with the node
+        self.resumable = resumable
         self.host = 0  # host slot while the page lives in the host tier (then page is 0)
         self.children: dict[tuple[int, ...], Node] = {}
         self.lock = 0  # requests whose matched path passes through this node
@@ -76,21 +90,35 @@ class RadixCache:
             self._host_leaves.add(node)
 
     def match(self, tokens: Sequence[int]) -> tuple[list[int], Node]:
-        """The pages of the longest cached prefix of `tokens` made of full pages, and the node
-        it ends at (the root when nothing matches). Marks the path as used now. Pages found in
-        the host tier are loaded back first, as many as device pages can be made free for."""
-        node, path, now = self.root, [], next(self._clock)
-        for key in self._chunks(tokens, len(tokens) // self.page_size):
-            child = node.children.get(key)
-            if child is None:
-                break
-            node = child
+        """The pages of the longest cached prefix of `tokens` made of full pages that a request
+        can resume after (the rows it reads back there are present), and the node it ends at (the
+        root when nothing matches). Marks the path as used now. Pages found in the host tier are
+        loaded back first, as many as device pages can be made free for."""
+        path, now = self._walk(tokens), next(self._clock)
+        for node in path:
             node.last_use = now
-            path.append(node)
+        while path and not path[-1].resumable:  # a request resuming after it would lack rows
+            path.pop()
         on_device = next((i for i, n in enumerate(path) if not n.page), len(path))
         if on_device < len(path):
             path = path[:on_device] + self._load(path[on_device:])
         return [n.page for n in path], path[-1] if path else self.root
+
+    def _walk(self, tokens: Sequence[int]) -> list[Node]:
+        """The nodes of the longest cached prefix of `tokens` made of full pages, top first."""
+        node, path = self.root, []
+        for key in self._chunks(tokens, len(tokens) // self.page_size):
+            node = node.children.get(key)
+            if node is None:
+                break
+            path.append(node)
+        return path
+
+    def node_at(self, tokens: Sequence[int]) -> Node:
+        """The node where the cached path of `tokens`' full pages ends, resumable or not (a
+        request that inserted them locks it: its pages there stay)."""
+        path = self._walk(tokens)
+        return path[-1] if path else self.root
 
     def _load(self, nodes: list[Node]) -> list[Node]:
         """Bring host nodes (a path's host part, top first) back into fresh device pages, as
@@ -130,21 +158,32 @@ class RadixCache:
             self._refresh(node)
             node = node.parent
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> int:
-        """Cache the full pages of a request's computed `tokens` (`pages`: its pages, in order);
-        returns how many pages the tree took a reference to (chunks it already held keep the
-        tree's page, and the request's copy goes back with the request; a chunk in the host
-        tier takes the request's page, which holds the same KV, and frees its host slot)."""
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], resume_from: int = 0) -> int:
+        """Cache the full pages of a request's computed `tokens` (`pages`: its pages, in order;
+        those of them ending before token `resume_from` are not resumable, see
+        Request.resume_from); returns how many pages the tree took a reference to (chunks it
+        already held keep the tree's page, and the request's copy goes back with the request,
+        unless only the request's is resumable; a chunk in the host tier takes the request's
+        page, which holds the same KV, and frees its host slot)."""
         n = min(len(tokens) // self.page_size, len(pages))
         node, now, added = self.root, next(self._clock), 0
         for i, key in enumerate(self._chunks(tokens, n)):
             child = node.children.get(key)
-            if child is None or not child.page:
+            resumable = (i + 1) * self.page_size >= resume_from
+            if child is not None and child.page and child.page != pages[i]:
+                if resumable and not child.resumable:
+                    # The request's own page (a shared one would be the tree's) has the rows: it
+                    # replaces the tree's, whose other holders keep their references.
+                    self.pool.free([child.page])
+                    child.page, child.resumable = self.pool.share([pages[i]])[0], True
+                    added += 1
+            elif child is None or not child.page:
                 if child is None:
-                    child = node.children[key] = Node(key, pages[i], node)
+                    child = node.children[key] = Node(key, pages[i], node, resumable)
                 else:
                     self.host.slots.free([child.host])
                     child.host, child.page = 0, pages[i]
+                    child.resumable = resumable
                     self.num_host_pages -= 1
                 self.pool.share([pages[i]])
                 self.num_pages += 1

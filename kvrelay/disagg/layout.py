@@ -5,8 +5,15 @@ A runner describes its caches with `transfer_layout()`; the sender and the recei
 touch the tensors through these descriptions, so a new cache kind needs no change here.
 - unit "page": first dim = page, second = rows within a page. Row j of a request covers tokens
   [j * ratio, (j + 1) * ratio) and is final once all of them are computed (a compressed entry
-  exists only when its window is complete). `keep_last` > 0: decode only ever reads the rows of
-  the prompt's last `keep_last` tokens (a sliding window), so older rows are not sent.
+  exists only when its window is complete; a value kept per page, such as DeepSeek-V4's
+  compressor state at each page end, is one row of `page_size` tokens). `keep_last` > 0: a
+  request continuing at token t reads only the rows of tokens [t - keep_last, t) (a sliding
+  window; a per-page value read only when resuming at its page's end), so decode gets the rows
+  of the prompt's last `keep_last` tokens only; a decode that caches the prompt's pages asks for
+  `resume_rows`: also those a later prefix hit ending at the prompt's last full page boundary
+  reads (paging.resume_rows_from: the window's rows from boundary - keep_last, i.e. prompt
+  length mod page size rows more). Pages ending before that boundary are cached as not
+  resumable, and a hit never ends on them (radix.py).
 - unit "slot": first dim = the request's state slot (per-request state, e.g. a compressor's
   open window). Only its value after the whole prompt matters: it is sent once, at the end.
 - `shard` (rank, world): the tensor holds only part `rank` of `world` equal parts of each row's
@@ -22,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrelay.cache.paging import row_index
+from kvrelay.cache.paging import resume_rows_from, row_index
 
 PAGE, SLOT = "page", "slot"
 
@@ -59,13 +66,20 @@ class CacheKind:
         t = self.tensor.flatten(0, 1) if self.unit == PAGE else self.tensor
         return t.reshape(t.shape[0], -1).view(torch.uint8)
 
-    def row_range(self, start: int, end: int, prompt_len: int) -> tuple[int, int]:
+    def row_range(
+        self, start: int, end: int, prompt_len: int, resume_rows: bool = False
+    ) -> tuple[int, int]:
         """Rows of a page kind that tokens [start, end) of a `prompt_len`-token prompt complete
-        and decode will read."""
+        and decode will read (`resume_rows`: or a later hit on its cached pages will read)."""
         r = self.ratio
         first = start // r
         if self.keep_last:
-            first = max(first, max(prompt_len - self.keep_last, 0) // r)
+            if resume_rows:
+                page_size = self.tensor.shape[1] * r
+                oldest = resume_rows_from(prompt_len, page_size, self.keep_last)
+            else:
+                oldest = max(prompt_len - self.keep_last, 0)
+            first = max(first, oldest // r)
         last = end // r
         return first, max(first, last)
 

@@ -17,8 +17,10 @@ def piece_rows(
     start: int,
     end: int,
     prompt_len: int,
+    resume_rows: bool,
 ) -> list[torch.Tensor]:
-    """Per kind, the row indices tokens [start, end) fill (a slot kind: its one slot row)."""
+    """Per kind, the row indices tokens [start, end) fill (a slot kind: its one slot row);
+    `resume_rows`: also the window rows a later hit on decode's cached pages reads."""
     out, cache = [], {}
     for k in kinds:
         key = (k.unit, k.ratio, k.keep_last, k.tensor.shape[1], k.tensor.device)
@@ -26,7 +28,7 @@ def piece_rows(
             if k.unit == SLOT:
                 cache[key] = torch.tensor([slot], device=k.tensor.device)
             else:
-                first, last = k.row_range(start, end, prompt_len)
+                first, last = k.row_range(start, end, prompt_len, resume_rows)
                 cache[key] = page_rows(k, pages, page_size, first, last)
         out.append(cache[key])
     return out

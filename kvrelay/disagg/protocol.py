@@ -22,8 +22,11 @@ from typing import Annotated, Literal
 import msgspec
 
 # 2: pieces name their cache kinds; 3: authenticated handshake, typed IPC; 4: Released (the fence);
-# 5: ReserveAck.skip_tokens (decode holds a cached prefix)
-PROTOCOL_VERSION = 5
+# 5: ReserveAck.skip_tokens (decode holds a cached prefix); 6: ReserveAck.every_row, and a skip
+# for models with per-request state (DeepSeek-V4's per-page compressor state travels as a kind);
+# 7: ReserveAck.resume_rows replaces every_row (only the window rows a hit at the prompt's last
+# full page boundary reads, not every row; a page's end state: the last full page's only)
+PROTOCOL_VERSION = 7
 
 # Field limits: a received message that breaks one is refused whole (msgspec.ValidationError).
 Id = Annotated[str, msgspec.Meta(max_length=256)]  # ids, names, addresses, fingerprints
@@ -113,6 +116,10 @@ class ReserveAck(msgspec.Struct, tag=True):
     # prompt tokens whose paged KV decode already holds (its prefix cache; whole pages, fewer
     # than the prompt): prefill sends page rows only for tokens from here on
     skip_tokens: Count = 0
+    # decode caches the prompt's pages for later hits: send a sliding window's rows from the
+    # prompt's last full page boundary - (window - 1) on (what a hit ending there reads), not
+    # only the prompt's last window (layout.CacheKind.row_range)
+    resume_rows: bool = False
 
     def __post_init__(self) -> None:
         self.reason = self.reason[:MAX_TEXT]  # ours may quote a peer's: stay within the limit

@@ -3,10 +3,12 @@ install it, then decode.
 
 Per request: RESERVED (the scheduler holds pages and, for models with per-request state, a state
 slot; with a prefix cache it shares, locked, the pages of the prompt's longest cached prefix, and
-the ack tells prefill to skip their tokens; waiting for prefill's ReserveRequest) -> RECEIVING
-(matched; pieces arriving as prefill computes the prompt chunk by chunk, each checked: transfer
-id, request id, connection, cache kinds, token range (continuing where each kind's rows end: the
-first page piece where the cached prefix ends), size, checksum) -> DONE (installed; the
+the ack tells prefill to skip their tokens and, since the prompt's pages enter the cache, to send
+the window rows (and page-end state) a later hit at the prompt's last full page boundary reads
+too (a hit never ends on the pages before it: radix.py); waiting for prefill's ReserveRequest)
+-> RECEIVING (matched; pieces arriving as prefill computes the prompt chunk by chunk, each
+checked: transfer id, request id, connection, cache kinds, token range (continuing where each
+kind's rows end: the first page piece where the cached prefix ends), size, checksum) -> DONE (installed; the
 scheduler admits the request with num_computed = prompt length and the first token appended);
 any state -> FAILED (prefill told, error output). A ReserveRequest that arrives before decode's own
 copy of the request waits as an orphan until that copy arrives or its deadline passes.
@@ -33,7 +35,7 @@ from kvrelay.cache.block_pool import OutOfPages
 from kvrelay.disagg import handshake as H
 from kvrelay.disagg import protocol as P
 from kvrelay.disagg.agent import Event, TransferAgent
-from kvrelay.disagg.layout import SLOT
+from kvrelay.disagg.layout import PAGE, SLOT
 from kvrelay.disagg.pieces import expected_bytes, gather_rows, piece_rows
 from kvrelay.disagg.protocol import TState
 from kvrelay.disagg.transport.base import Connection
@@ -52,6 +54,9 @@ class DecodeTransfer:
     sm: P.TransferStateMachine
     conn: Connection | None = None
     filled: dict[str, int] = field(default_factory=dict)  # per cache kind: prompt tokens installed
+    # the prompt's pages go to decode's prefix cache: the rows a hit at its last full page reads
+    # must arrive too
+    resume_rows: bool = False
     num_chunks: int = 0
     reserved: float = field(default_factory=time.monotonic)  # when decode reserved its pages
     install_s: float = 0.0  # time spent checking and installing pieces
@@ -194,6 +199,7 @@ class DecodeReceiver(TransferAgent):
         t.filled = {
             k.name: 0 if k.unit == SLOT else req.matched_tokens for k in self.kind_by_name.values()
         }
+        t.resume_rows = self.engine.scheduler.prefix is not None
         self.transfers[pd.transfer_id] = t
         orphan = self.orphans.pop(pd.transfer_id, None)
         if orphan is not None:
@@ -242,7 +248,7 @@ class DecodeReceiver(TransferAgent):
         t.sm.to(TState.RECEIVING)
         ack = P.ReserveAck(
             t.pd.transfer_id, True, pages=list(req.pages), slot=req.state_slot,
-            skip_tokens=req.matched_tokens,
+            skip_tokens=req.matched_tokens, resume_rows=t.resume_rows,
         )  # fmt: skip
         if not self._send(conn, ack):
             self._fail(
@@ -339,7 +345,7 @@ class DecodeReceiver(TransferAgent):
         if problem:
             return self._fail(t, P.Cause.IDENTITY, problem)
         page_size = self.engine.runner.page_size
-        rows = piece_rows(kinds, req.pages, req.state_slot, page_size, s, e, n_tok)
+        rows = piece_rows(kinds, req.pages, req.state_slot, page_size, s, e, n_tok, t.resume_rows)
         expected = expected_bytes(kinds, rows)
         began = time.monotonic()
         if h.in_place:  # cuda_ipc: prefill already wrote the rows into our pages
@@ -350,7 +356,8 @@ class DecodeReceiver(TransferAgent):
             return self._fail(t, *bad)
         if not h.in_place:  # through the runner: with TP every rank installs it
             idx = [self.kind_index[name] for name in h.kinds]
-            piece = InstallPiece(idx, list(req.pages), req.state_slot, s, e, n_tok, ev.payload)
+            facts = (idx, list(req.pages), req.state_slot, s, e, n_tok, t.resume_rows)
+            piece = InstallPiece(*facts, ev.payload)
             self.engine.runner.install_piece(piece)
         for name in h.kinds:
             t.filled[name] = e
@@ -402,6 +409,7 @@ class DecodeReceiver(TransferAgent):
         self._observe("transfer", time.monotonic() - t.reserved)  # reserved -> all installed
         self._observe("install", t.install_s)
         req.num_computed = len(req.prompt_ids)
+        req.resume_from = self._resume_from(t, len(req.prompt_ids))
         # usage: prompt tokens whose KV was reused, by prefill (not computed) or here (not moved)
         req.num_cached_tokens = max(f.cached_tokens, req.matched_tokens)
         req.output_ids.append(f.token_id)
@@ -428,6 +436,14 @@ class DecodeReceiver(TransferAgent):
             eng.scheduler.finish(req, reason)
         else:
             eng.scheduler.admit_transferred(req)
+
+    def _resume_from(self, t: DecodeTransfer, n: int) -> int:
+        """The first page boundary where a request could resume from the received pages: every
+        kind read back `keep_last` tokens has its rows from there - keep_last on (the prefix
+        cache marks the pages ending before it as not resumable, radix.py); 0: all rows came."""
+        kinds = [k for k in self.kind_by_name.values() if k.unit == PAGE and k.keep_last]
+        firsts = [(k.row_range(0, n, n, t.resume_rows)[0] * k.ratio, k.keep_last) for k in kinds]
+        return max((first + back for first, back in firsts if first), default=0)
 
     def _drop(self, t: DecodeTransfer, fence: bool) -> None:
         """End a transfer here. `fence`: prefill was just told, and may still be writing into the

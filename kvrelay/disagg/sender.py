@@ -96,6 +96,9 @@ class PrefillTransfer:
     dst_pages: list[int] = field(default_factory=list)  # decode's, from its reservation ack
     dst_slot: int = 0
     skip: int = 0  # prompt tokens whose paged KV decode holds already (its ack): never sent
+    resume_rows: bool = (
+        False  # decode caches the prompt's pages (its ack): window rows a hit reads go
+    )
     corrupt: bool = False  # TEST ONLY: damage the first non-empty piece
     acked: float = 0.0  # monotonic time of decode's reservation ack
     send_s: float = 0.0  # time spent sending pieces (gather, checksum, copy or socket)
@@ -200,14 +203,14 @@ class PrefillSender(TransferAgent):
 
     def _skip_problem(self, t: PrefillTransfer, ack: P.ReserveAck) -> str:
         """Decode may skip only whole pages of the prompt, never its last token (a piece must
-        start where a page does, and decode needs at least the rows after its cached prefix),
-        and only for a model without per-request state (which is sent for the whole prompt)."""
+        start where a page does, and decode needs at least the rows after its cached prefix).
+        Per-request state (DeepSeek-V4's compressor slot) is sent for the whole prompt anyway:
+        decode continues from it, its cached pages only spare the paged rows."""
         n, page = len(t.req.prompt_ids), self.engine.runner.page_size
         skip = ack.skip_tokens
-        if skip and (skip >= n or skip % page or self.slot_groups):
+        if skip and (skip >= n or skip % page):
             return (
-                f"decode asks to skip {skip} tokens of a {n}-token prompt "
-                f"(pages of {page} tokens{', per-request state' if self.slot_groups else ''})"
+                f"decode asks to skip {skip} tokens of a {n}-token prompt (pages of {page} tokens)"
             )
         return ""
 
@@ -418,15 +421,16 @@ class PrefillSender(TransferAgent):
 
     def _send_piece(self, t: PrefillTransfer, kinds: list, start: int, end: int) -> None:
         req, runner = t.req, self.engine.runner
+        n = len(req.prompt_ids)
         rows = piece_rows(
-            kinds, req.pages, req.state_slot, runner.page_size, start, end, len(req.prompt_ids)
+            kinds, req.pages, req.state_slot, runner.page_size, start, end, n, t.resume_rows
         )
         if t.peer.remote is not None:
             return self._write_in_place(t, kinds, rows, start, end)
         began = time.monotonic()
         if kinds[0].shard[1] > 1:  # dense TP: each rank holds its KV heads (engine/tp_gather.py)
-            n = len(req.prompt_ids)
-            buf = runner.gather_piece(kinds, req.pages, req.state_slot, start, end, n)
+            args = (kinds, req.pages, req.state_slot, start, end, n, t.resume_rows)
+            buf = runner.gather_piece(*args)
         else:
             buf = gather(kinds, rows)
         hdr = P.ChunkHeader(
@@ -456,8 +460,9 @@ class PrefillSender(TransferAgent):
             raise ConnectionError("connection to decode lost while sending KV")
         began, n = time.monotonic(), len(t.req.prompt_ids)
         dst = piece_rows(
-            kinds, t.dst_pages, t.dst_slot, self.engine.runner.page_size, start, end, n
-        )
+            kinds, t.dst_pages, t.dst_slot, self.engine.runner.page_size, start, end, n,
+            t.resume_rows,
+        )  # fmt: skip
         parts = []
         for k, src_r, dst_r in zip(kinds, rows, dst, strict=True):
             src, peer_rows = k.byte_rows.index_select(0, src_r), t.peer.remote[k.name]
@@ -536,6 +541,7 @@ class PrefillSender(TransferAgent):
                 return self._fail(t, P.Cause.IDENTITY, problem)
             t.dst_pages, t.dst_slot = msg.pages, msg.slot
             t.skip = t.sent = msg.skip_tokens
+            t.resume_rows = msg.resume_rows
             t.acked = time.monotonic()
             t.sm.to(TState.PREFILLING)
             self.engine.scheduler.add(t.req)

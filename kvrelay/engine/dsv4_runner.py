@@ -112,20 +112,29 @@ class DeepseekV4Runner:
     def transfer_layout(self) -> list[CacheKind]:
         """Every tensor of the pool, described for a PD transfer: the window KV (only its last
         window - 1 tokens are read again), compressed entries and index keys (a row per
-        `ratio` tokens), and the compressors' per-request state slots."""
+        `ratio` tokens), the compressors' state at each page end (one row per page, final once
+        the page is, read only by a prefix hit ending there), and the compressors' per-request
+        state slots."""
         pool = self.cache
+        compressors = [s for s in pool.comp_slots + pool.index_slots if s is not None]
         slot_tensors = {
             id(t)
-            for s in pool.comp_slots + pool.index_slots
-            if s is not None
+            for s in compressors
             for t in (s.pending_kv, s.pending_score, s.prev_kv, s.prev_score)
             if t is not None
+        }
+        page_end_tensors = {
+            id(t) for s in compressors for t in (s.page_prev_kv, s.page_prev_score) if t is not None
         }
         kinds = []
         for name, t in pool.kinds.items():
             layer = int(name.split(".", 1)[0][1:])  # "L{i}.…"
             if id(t) in slot_tensors:
                 kinds.append(CacheKind(name, t, SLOT, layer))
+            elif id(t) in page_end_tensors:  # [pages, ratio, d] as one row of page_size tokens
+                # read only by a request resuming at that page's end: the last full page's goes
+                view, ps = t.unsqueeze(1), self.page_size
+                kinds.append(CacheKind(name, view, PAGE, layer, ratio=ps, keep_last=ps))
             elif t is pool.swa[layer]:
                 kinds.append(CacheKind(name, t, PAGE, layer, keep_last=pool.window - 1))
             else:

@@ -65,11 +65,9 @@ class Engine:
             return "off (--disable-prefix-cache)"
         if not registry.family(self.src.config.architecture).prefix_cache:
             return "off (not supported for this model family yet)"
-        if self.cfg.role == "decode" and self.runner.num_state_slots:
-            # DeepSeek-V4: a transferred prompt's pages lack what a cached page must hold (the
-            # window rows before the prompt's last ones, the per-page compressor state), and
-            # prefill sends the request's state for the whole prompt only: not done yet.
-            return "off (PD decode role with per-request state)"
+        # A PD decode caches what it receives too (DeepSeek-V4 included: the per-page compressor
+        # state travels as a cache kind, and a hit never ends on a received page that lacks the
+        # rows a request resuming there reads).
         if self.cfg.tensor_parallel_size > 1 and self.runner.num_state_slots:
             # A hit restores the request's state slot (DeepSeek-V4's compressor state) from its
             # last shared page on rank 0 only; the other ranks' slots would miss it.

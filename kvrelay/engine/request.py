@@ -38,6 +38,9 @@ class Request:
         # e.g. DeepSeek-V4's compressors, from the last matched page on the step that starts there)
         self.matched_tokens = 0
         self.cache_queried = False
+        # Its own pages ending before this token lack rows a request resuming at their end reads
+        # (a PD decode receives a window's older rows only where a later hit can resume); 0: none
+        self.resume_from = 0
         self.group: str | None = None  # n samples of one prompt share it (siblings.py)
         self.generator: torch.Generator | None = None
         self.finish_reason: str | None = None
@@ -75,4 +78,5 @@ class Request:
         self.prefix_node = None
         self.num_computed = 0
         self.matched_tokens = 0
+        self.resume_from = 0  # what it recomputes, it computes whole
         self.status = Status.WAITING

@@ -161,13 +161,12 @@ class ModelRunner:
 
     def gather_piece(
         self, kinds: list[CacheKind], pages: list[int], slot: int, start: int, end: int,
-        prompt_len: int,
+        prompt_len: int, resume_rows: bool,
     ) -> memoryview:  # fmt: skip
         """A PD prefill server with TP: a piece's whole rows, every rank's KV heads put together."""
         index = {k.name: i for i, k in enumerate(self._layout())}
-        facts = tp_install.PieceFacts(
-            [index[k.name] for k in kinds], list(pages), slot, start, end, prompt_len
-        )
+        idx = [index[k.name] for k in kinds]
+        facts = tp_install.PieceFacts(idx, list(pages), slot, start, end, prompt_len, resume_rows)
         return tp_gather.gather_whole(
             self.tp, self.device, tp_step.HEADER, self._layout(), self.page_size, facts
         )

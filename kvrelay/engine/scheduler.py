@@ -175,7 +175,8 @@ class Scheduler:
     def _release(self, req: Request, cache: bool = False) -> None:
         if self.prefix is not None:
             if cache:
-                self.prefix.insert(req.token_slice(0, req.num_computed), req.pages)
+                tokens = req.token_slice(0, req.num_computed)
+                self.prefix.insert(tokens, req.pages, req.resume_from)
             if req.prefix_node is not None:
                 self.prefix.unlock(req.prefix_node)
                 req.prefix_node = None
@@ -437,8 +438,8 @@ class Scheduler:
         if min(req.num_computed, n) // ps <= min(before, n) // ps:
             return  # no prompt page completed
         tokens = req.prompt_ids[: min(req.num_computed, n) // ps * ps]
-        self.prefix.insert(tokens, req.pages)
-        _, node = self.prefix.match(tokens)  # the path now ends where tokens do
+        self.prefix.insert(tokens, req.pages, req.resume_from)
+        node = self.prefix.node_at(tokens)  # the path now ends where tokens do
         self.prefix.lock(node)
         if req.prefix_node is not None:
             self.prefix.unlock(req.prefix_node)

@@ -60,4 +60,4 @@ def join(kinds: list[CacheKind], rows: list[torch.Tensor], parts: list[torch.Ten
 def recv(tp: TPGroup, device: torch.device, head: list[int]) -> GatherPiece:
     """A follower, after a header of kind GATHER: the piece to contribute to."""
     f = recv_facts(tp, device, head)
-    return GatherPiece(f.kinds, f.pages, f.slot, f.start, f.end, f.prompt_len)
+    return GatherPiece(f.kinds, f.pages, f.slot, f.start, f.end, f.prompt_len, f.resume_rows)

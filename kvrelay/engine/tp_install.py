@@ -2,11 +2,12 @@
 it to every rank, which installs it into its own pool.
 
 Only rank 0 talks to prefill (its receiver checks the piece: identity, size, checksum). It then
-broadcasts the facts the rows derive from (cache kinds, pages, slot, token range, prompt length)
-and the payload, between two steps, on the same channel as the steps (a header of kind INSTALL),
-so every rank sees installs and forwards in the same order. Each rank computes the rows from its
-own cache kinds: DeepSeek-V4's pools are the whole cache on every rank; a dense rank's kinds keep
-only its KV-head shard of each row (`CacheKind.shard`).
+broadcasts the facts the rows derive from (cache kinds, pages, slot, token range, prompt length,
+whether the window rows a later hit reads travel) and the payload, between two steps, on the
+same channel as the steps (a header of kind INSTALL), so every rank sees installs and forwards
+in the same order. Each rank computes the rows from its own cache kinds: DeepSeek-V4's pools
+are the whole cache on every rank; a dense rank's kinds keep only its KV-head shard of each row
+(`CacheKind.shard`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class PieceFacts:
     start: int
     end: int
     prompt_len: int
+    resume_rows: bool  # window rows a later hit reads too (decode caches the prompt's pages)
 
     def rows(
         self, layout: list[CacheKind], page_size: int
@@ -39,7 +41,7 @@ class PieceFacts:
         """This rank's kinds of the piece and, per kind, its row indices."""
         ks = [layout[i] for i in self.kinds]
         s, e, n = self.start, self.end, self.prompt_len
-        return ks, piece_rows(ks, self.pages, self.slot, page_size, s, e, n)
+        return ks, piece_rows(ks, self.pages, self.slot, page_size, s, e, n, self.resume_rows)
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,8 @@ def send_facts(
     tp: TPGroup, device: torch.device, header_len: int, kind: int, p: PieceFacts, nbytes: int = 0
 ) -> None:
     """Rank 0, between steps: a step header of `kind` (INSTALL, tp_gather.GATHER), the facts."""
-    facts = [p.slot, p.start, p.end, p.prompt_len, len(p.kinds), *p.kinds, *p.pages]
+    facts = [p.slot, p.start, p.end, p.prompt_len, int(p.resume_rows), len(p.kinds), *p.kinds]
+    facts += p.pages
     head = [kind, len(facts), nbytes] + [0] * (header_len - 3)
     tp.broadcast(torch.tensor(head, dtype=torch.int64, device=device))
     tp.broadcast(torch.tensor(facts, dtype=torch.int64, device=device))
@@ -77,8 +80,9 @@ def send_facts(
 def recv_facts(tp: TPGroup, device: torch.device, head: list[int]) -> PieceFacts:
     """A follower, after a header `send_facts` sent: the facts."""
     facts = tp.broadcast(torch.empty(head[1], dtype=torch.int64, device=device)).tolist()
-    slot, start, end, prompt_len, n_kinds = facts[:5]
-    return PieceFacts(facts[5 : 5 + n_kinds], facts[5 + n_kinds :], slot, start, end, prompt_len)
+    slot, start, end, prompt_len, resume_rows, n_kinds = facts[:6]
+    kinds, pages = facts[6 : 6 + n_kinds], facts[6 + n_kinds :]
+    return PieceFacts(kinds, pages, slot, start, end, prompt_len, bool(resume_rows))
 
 
 def _send(tp: TPGroup, device: torch.device, header_len: int, p: InstallPiece) -> None:
@@ -97,4 +101,6 @@ def recv(tp: TPGroup, device: torch.device, head: list[int]) -> InstallPiece:
     payload = None
     if nbytes:
         payload = tp.broadcast(torch.empty(nbytes, dtype=torch.uint8, device=device))
-    return InstallPiece(f.kinds, f.pages, f.slot, f.start, f.end, f.prompt_len, payload)
+    return InstallPiece(
+        f.kinds, f.pages, f.slot, f.start, f.end, f.prompt_len, f.resume_rows, payload
+    )

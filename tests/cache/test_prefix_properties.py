@@ -5,6 +5,10 @@ reservations and fenced transfers; with or without a host tier (evictions offloa
 back, the host tier evicts too). No model: a simulated KV records which token each page slot
 holds (and a simulated gate moves those records to host slots and back, in order, when a step
 passes it), so a request that attends to a shared page is checked to see the right tokens there.
+With a sliding window (`lookback` > 0) it also records each position's window row: a PD transfer
+writes them only from paging.resume_rows_from on (the pages ending before the prompt's last full
+page boundary are cached as not resumable), and every step checks that a request reads present,
+right rows for the `lookback` tokens before it (a match never resumes where they lack).
 
 After every operation: refcounts agree with the owners (requests, fences, the tree); host slots
 are held by the tree's host nodes alone, each once; a page a request may still write is its own
@@ -21,6 +25,7 @@ from hypothesis import strategies as st
 
 from kvrelay.cache.block_pool import OutOfPages
 from kvrelay.cache.host_tier import HostTier
+from kvrelay.cache.paging import resume_rows_from
 from kvrelay.config import SchedulerConfig
 from kvrelay.engine.messages import SamplingParams
 from kvrelay.engine.request import Request, Status
@@ -35,8 +40,8 @@ OPS = {
     "group": 2,
     "step": 8,
     "abort": 1,
-    "reserve": 1,
-    "arrive": 1,
+    "reserve": 3,
+    "arrive": 3,
     "lift": 1,
     "evict": 1,
     "evict_host": 1,
@@ -47,14 +52,16 @@ class SimulatedGate:
     """The host tier's gate over the simulated KV: copies queue up and land, in order, when a
     step passes the gate (`wait`)."""
 
-    def __init__(self, kv: dict[tuple[int, int], int]) -> None:
-        self.kv, self.host, self.queue = kv, {}, []
+    def __init__(self, *dicts: dict[tuple[int, int], int | None]) -> None:
+        self.dev, self.host, self.queue = dicts, [{} for _ in dicts], []
 
     def copy_out(self, pairs) -> None:
-        self.queue += [(self.kv, self.host, page, slot) for page, slot in pairs]
+        for d, h in zip(self.dev, self.host, strict=True):
+            self.queue += [(d, h, page, slot) for page, slot in pairs]
 
     def copy_in(self, pairs) -> None:
-        self.queue += [(self.host, self.kv, slot, page) for slot, page in pairs]
+        for d, h in zip(self.dev, self.host, strict=True):
+            self.queue += [(h, d, slot, page) for slot, page in pairs]
 
     def wait(self) -> None:
         for src, dst, a, b in self.queue:
@@ -64,12 +71,16 @@ class SimulatedGate:
 
 
 class World:
-    def __init__(self, num_pages: int, budget: int, ratio: float, host_pages: int = 0) -> None:
+    def __init__(
+        self, num_pages: int, budget: int, ratio: float, host_pages: int = 0, lookback: int = 0
+    ) -> None:
         cfg = SchedulerConfig(
             max_num_batched_tokens=budget, max_running_requests=6, kv_reserve_ratio=ratio
         )
         self.kv: dict[tuple[int, int], int] = {}  # (page, offset) -> token whose K/V is there
-        self.tier = HostTier(host_pages, SimulatedGate(self.kv)) if host_pages else None
+        self.rows: dict[tuple[int, int], int | None] = {}  # the same, of its window row
+        self.tier = HostTier(host_pages, SimulatedGate(self.kv, self.rows)) if host_pages else None
+        self.lookback = lookback  # tokens before a position whose window rows it reads
         self.s = Scheduler(cfg, num_pages, PS, prefix_cache=True, host_tier=self.tier)
         self.n = 0
 
@@ -78,10 +89,25 @@ class World:
         prompt = PREFIXES[prefix] + [100 + self.n] * tail
         return Request(f"r{self.n}", prompt, SamplingParams(max_tokens=max_tokens), 0)
 
-    def write(self, req: Request, start: int, end: int) -> None:
+    def write(self, req: Request, start: int, end: int, rows_from: int = 0) -> None:
+        """KV of tokens [start, end) into req's pages; window rows from `rows_from` on only
+        (those before it are absent: a PD transfer does not send them)."""
         toks = req.token_slice(start, end)
         for p, tok in zip(range(start, end), toks, strict=True):
             self.kv[(req.pages[p // PS], p % PS)] = tok
+            self.rows[(req.pages[p // PS], p % PS)] = tok if p >= rows_from else None
+
+    def arrive(self, req: Request) -> None:
+        """A reserved transfer's KV lands (after its cached prefix), window rows from where a
+        decode that caches receives them, and the request is admitted resumable from the
+        boundary they serve on (as the receiver marks it)."""
+        n = len(req.prompt_ids)
+        rows_from = resume_rows_from(n, PS, self.lookback) if self.lookback else 0
+        req.resume_from = rows_from + self.lookback if rows_from else 0
+        self.write(req, req.matched_tokens, n, rows_from)
+        req.num_computed = n
+        req.output_ids.append(300)
+        self.s.admit_transferred(req)
 
     def step(self) -> None:
         s = self.s
@@ -94,6 +120,11 @@ class World:
             # What it attends to: the K/V of its own tokens, wherever the pages came from.
             seen = [self.kv.get((r.pages[p // PS], p % PS)) for p in range(r.num_computed)]
             assert seen == r.token_slice(0, r.num_computed), f"{r.rid} reads the wrong KV"
+            lo = max(r.num_computed - self.lookback, 0)  # its window reads these rows back
+            rows = [self.rows.get((r.pages[p // PS], p % PS)) for p in range(lo, r.num_computed)]
+            assert rows == r.token_slice(lo, r.num_computed), (
+                f"{r.rid} resumes at {r.num_computed} without its window rows"
+            )
             self.write(r, r.num_computed, r.num_computed + x.num_new_tokens)
         sampling = [x.req for x in batch if x.samples]
         s.advance(batch)
@@ -125,10 +156,13 @@ class World:
     budget=st.sampled_from([3, 8, 64]),
     ratio=st.sampled_from([0.0, 1.0]),
     host_pages=st.sampled_from([0, 2, 8, 64]),
+    lookback=st.sampled_from([0, 3, 6]),  # no window; within a page (PS = 4); over two
 )
-def test_pool_and_tree_stay_consistent(seed, num_ops, num_pages, budget, ratio, host_pages) -> None:
+def test_pool_and_tree_stay_consistent(
+    seed, num_ops, num_pages, budget, ratio, host_pages, lookback
+) -> None:
     rng = random.Random(seed)
-    w = World(num_pages, budget, ratio, host_pages)
+    w = World(num_pages, budget, ratio, host_pages, lookback)
     s = w.s
     pending: list[Request] = []  # reserved transfers
     for kind in rng.choices(list(OPS), weights=list(OPS.values()), k=num_ops):
@@ -157,10 +191,7 @@ def test_pool_and_tree_stay_consistent(seed, num_ops, num_pages, budget, ratio, 
         elif kind == "arrive" and pending:
             r = pending.pop(rng.randrange(len(pending)))
             if rng.random() < 0.5:  # its KV arrived: admitted with the first token appended
-                w.write(r, r.matched_tokens, len(r.prompt_ids))  # the rest of its cached prefix
-                r.num_computed = len(r.prompt_ids)
-                r.output_ids.append(300)
-                s.admit_transferred(r)
+                w.arrive(r)
             else:  # the transfer failed while the peer may still write: fenced
                 s.finish_fenced(r, "error")
         elif kind == "lift" and s.fences:
@@ -231,3 +262,35 @@ def test_a_resent_prompt_hits_and_leaves_one_token_to_compute() -> None:
     assert s.prefix.hit_tokens == 8 and s.prefix.query_tokens == 24
     w.check()
     assert b.status == Status.RUNNING
+
+
+@pytest.mark.parametrize("lookback", [3, 6])
+def test_a_received_prompt_is_never_resumed_where_it_lacks_window_rows(lookback: int) -> None:
+    """A 13-token prompt received (window rows from token 12 - lookback: 9 or 6), then a
+    9-token prompt that shares its first 8 tokens and a 13-token one that shares all of them:
+    the first may not resume at 8 (the rows of 5..7 or 2..7 are absent), the second resumes at
+    12."""
+    w = World(64, 64, 1.0, lookback=lookback)
+    s = w.s
+    r = w.request(1, 0, 3)  # [1] * 8 + [2] * 5
+    s.reserve_transfer(r)
+    w.arrive(r)
+    assert r.resume_from == 12
+    while s.has_work:
+        w.step()
+        w.check()
+    short, same = w.request(0, 0, 2), w.request(1, 0, 2)  # [1] * 9; r's prompt again
+    s.add(short)
+    w.step()
+    assert short.num_cached_tokens == 0
+    s.add(same)
+    w.step()
+    assert same.num_cached_tokens == 12
+    while s.has_work:
+        w.step()
+        w.check()
+    # short computed pages 0 and 1 here: they replaced the received ones, so now it would hit.
+    again = w.request(0, 0, 1)
+    s.add(again)
+    w.step()
+    assert again.num_cached_tokens == 8

@@ -28,9 +28,9 @@ def token_bytes() -> int:
     return c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
 
 
-def _ask(url: str, messages: list[dict]) -> dict:
+def _ask(url: str, messages: list[dict], model: str = MODEL) -> dict:
     r = client(url).chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=4, temperature=0, logprobs=True
+        model=model, messages=messages, max_tokens=4, temperature=0, logprobs=True
     )
     c = r.choices[0]
     return {
@@ -41,9 +41,9 @@ def _ask(url: str, messages: list[dict]) -> dict:
     }
 
 
-def _turn(url: str, convs: list[list[dict]]) -> list[dict]:
+def _turn(url: str, convs: list[list[dict]], model: str = MODEL) -> list[dict]:
     with ThreadPoolExecutor(len(convs)) as ex:  # the conversations' turns run concurrently
-        return list(ex.map(lambda m: _ask(url, m), convs))
+        return list(ex.map(lambda m: _ask(url, m, model), convs))
 
 
 def _same(want: list[dict], got: list[dict]) -> None:
@@ -52,23 +52,25 @@ def _same(want: list[dict], got: list[dict]) -> None:
         assert g["lps"] == pytest.approx(w["lps"], abs=1e-3)
 
 
-def two_turns(pd, single_url: str, n: int) -> tuple[list[dict], list[dict], dict]:
+def two_turns(
+    pd, single_url: str, n: int, model: str = MODEL, system: str = SYSTEM
+) -> tuple[list[dict], list[dict], dict]:
     """n conversations, two turns, through PD and the single server (equal token for token).
     Returns each turn's PD results and what turn 2 moved: {"bytes": KV bytes prefill sent,
     "hits": prompt tokens decode's prefix cache provided}."""
     convs = [
-        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Day {i}: {q}"}]
+        [{"role": "system", "content": system}, {"role": "user", "content": f"Day {i}: {q}"}]
         for i, q in enumerate(["How was the sea?", "Any ships?", "Was it cold?", "Rain?"] * 2)
     ][:n]
-    first = _turn(single_url, convs)
-    first_pd = _turn(pd.router.url, convs)
+    first = _turn(single_url, convs, model)
+    first_pd = _turn(pd.router.url, convs, model)
     _same(first, first_pd)
     for m, a in zip(convs, first, strict=True):
         m += [{"role": "assistant", "content": a["text"]}, {"role": "user", "content": "Why?"}]
-    want = _turn(single_url, convs)
+    want = _turn(single_url, convs, model)
     pd.wait_idle()
     before = metrics(pd.prefill.url), metrics(pd.decode.url)
-    got = _turn(pd.router.url, convs)
+    got = _turn(pd.router.url, convs, model)
     _same(want, got)
     pd.wait_idle()
     after = metrics(pd.prefill.url), metrics(pd.decode.url)

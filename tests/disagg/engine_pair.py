@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -10,6 +11,7 @@ from kvrelay.config import CacheConfig, DisaggConfig, EngineConfig, SchedulerCon
 from kvrelay.disagg.protocol import PDParams
 from kvrelay.engine.engine import Engine
 from kvrelay.engine.messages import AddRequest, SamplingParams
+from kvrelay.weights.loader import resolve
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
 PD_SECRET = "engine-pair-test-secret"  # what both engines of a pair share
@@ -31,6 +33,40 @@ def dense_engine(
             disagg=DisaggConfig(**{"layers_per_chunk": 1, "pd_secret": PD_SECRET, **disagg}),
         )
     )
+
+
+def dsv4_engine(
+    role: str,
+    budget: int = 22,
+    max_running: int = 16,
+    index_k: str = "auto",
+    prefix_cache: bool = True,
+    max_total_tokens: int = 4096,
+    kv_reserve_ratio: float = 1.0,
+    **disagg,
+) -> Engine:
+    """A tiny DeepSeek-V4 engine (dsv4-tiny, dummy weights, CPU float32; pages of 16 tokens, a
+    16-token window). QAT simulation off: its roundings turn last-bit differences between batch
+    shapes into visible ones (see tests/engine/test_dsv4_engine.py)."""
+    src = resolve("dsv4-tiny", "dummy")
+    src = dataclasses.replace(src, config=src.config.with_(qat_simulation=False))
+    cfg = EngineConfig(
+        model="dsv4-tiny",
+        load_format="dummy",
+        device="cpu",
+        dtype="float32",
+        role=role,
+        cache=CacheConfig(
+            max_total_tokens=max_total_tokens, index_k_dtype=index_k, prefix_cache=prefix_cache
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=budget,
+            max_running_requests=max_running,
+            kv_reserve_ratio=kv_reserve_ratio,
+        ),
+        disagg=DisaggConfig(**{"layers_per_chunk": 2, "pd_secret": PD_SECRET, **disagg}),
+    )
+    return Engine(cfg, src)
 
 
 class Pair:

@@ -8,43 +8,22 @@ corrupt bytes, no slot on decode, abort) must give back pages and state slots on
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
-from engine_pair import PD_SECRET, pairs
+from engine_pair import dsv4_engine, pairs
 
-from kvrelay.config import CacheConfig, DisaggConfig, EngineConfig, SchedulerConfig
 from kvrelay.disagg.protocol import Cause
 from kvrelay.engine.engine import Engine, generate
 from kvrelay.engine.messages import SamplingParams
-from kvrelay.weights.loader import resolve
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
 LENGTHS = [5, 17, 40, 110, 150]  # 150: a full 16-token window, 9 ratio-16 and 37 ratio-4 entries
 
 
-def _src(qat: bool = False):
-    # QAT off: its roundings turn last-bit differences between batch shapes into visible ones
-    # (see tests/engine/test_dsv4_engine.py); the process test keeps it on.
-    src = resolve("dsv4-tiny", "dummy")
-    return dataclasses.replace(src, config=src.config.with_(qat_simulation=qat))
-
-
 def _engine(
     role: str, budget: int = 22, max_running: int = 16, index_k: str = "auto", **disagg
 ) -> Engine:
-    cfg = EngineConfig(
-        model="dsv4-tiny",
-        load_format="dummy",
-        device="cpu",
-        dtype="float32",
-        role=role,
-        cache=CacheConfig(max_total_tokens=4096, index_k_dtype=index_k),
-        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_running_requests=max_running),
-        disagg=DisaggConfig(**{"layers_per_chunk": 2, "pd_secret": PD_SECRET, **disagg}),
-    )
-    return Engine(cfg, _src())
+    return dsv4_engine(role, budget, max_running, index_k, **disagg)
 
 
 def _prompt(n: int, seed: int) -> list[int]:

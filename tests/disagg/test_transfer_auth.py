@@ -132,7 +132,8 @@ def test_a_replayed_proof_is_worthless(decode):
 def test_nothing_but_the_handshake_before_it_and_no_payload(decode):
     """Before the handshake a frame may carry no payload: one announcing a terabyte is refused
     from its prefix (the terabyte is never sent, never allocated); a message that is not part
-    of the handshake closes the connection; an old-protocol hello is refused by name."""
+    of the handshake closes the connection; an old-protocol hello (the previous version: its
+    acks would ask for other rows) is refused by name."""
     peer = FakePeer.connect(decode.agent.addr)
     peer.send(P.ChunkHeader("t", "r", ["L0.k"], 0, 1, 1 << 40, None), announce=1 << 40)
     assert peer.hung_up()
@@ -143,7 +144,7 @@ def test_nothing_but_the_handshake_before_it_and_no_payload(decode):
     assert not decode.agent.orphans
 
     peer = FakePeer.connect(decode.agent.addr)
-    peer.send(hello(decode, "prefill", nonce=b"", version=2))
+    peer.send(hello(decode, "prefill", nonce=b"", version=P.PROTOCOL_VERSION - 1))
     refusal = peer.recv()
     assert isinstance(refusal, P.Failure) and refusal.cause == P.Cause.PROTOCOL, refusal
     assert peer.hung_up()

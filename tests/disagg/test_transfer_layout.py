@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvrelay.cache.host_gate import page_tensors
 from kvrelay.config import CacheConfig, EngineConfig
 from kvrelay.disagg.agent import engine_layout
 from kvrelay.disagg.layout import PAGE, SLOT, CacheKind, fingerprint, layout_difference
@@ -62,7 +63,17 @@ def test_dsv4_layout_names_every_pool_tensor_once(dsv4):
     kinds = {k.name: k for k in dsv4.runner.transfer_layout()}
     pool = dsv4.runner.cache
     assert kinds.keys() == pool.kinds.keys()
-    assert all(kinds[n].tensor is t for n, t in pool.kinds.items())
+    assert all(  # the pool's own tensors (a per-page value: viewed as one row per page)
+        kinds[n].tensor.data_ptr() == t.data_ptr() and kinds[n].tensor.numel() == t.numel()
+        for n, t in pool.kinds.items()
+    )
+    # Everything a page is made of travels (what a prefix hit on decode reads of a received
+    # page): the host tier's walk over the pool's own tensors finds no other per-page tensor.
+    per_page = {t.data_ptr() for t in page_tensors(pool).values()}
+    assert per_page == {k.tensor.data_ptr() for k in kinds.values() if k.unit == PAGE}
+    page_end = kinds["L1.c4_index_state.page_prev_kv"]
+    assert page_end.unit == PAGE and page_end.ratio == page_end.keep_last == dsv4.runner.page_size
+    assert page_end.tensor.shape[1] == 1 and "L2.c16_state.page_prev_kv" not in kinds
     assert kinds["L0.swa_kv"].keep_last == pool.cfg.sliding_window - 1
     assert (kinds["L1.c4_kv"].ratio, kinds["L1.c4_index_k"].ratio) == (4, 4)
     assert kinds["L2.c16_kv"].ratio == 16 and kinds["L2.c16_kv"].tensor.shape[1] == 1
@@ -92,12 +103,42 @@ def test_dsv4_fp8_index_keys_change_the_fingerprint(dsv4):
         (1, 15, 0, 22, 150, (135, 135)),  # out of the final window: nothing to send
         (1, 15, 132, 150, 150, (135, 150)),
         (1, 15, 0, 10, 10, (0, 10)),
+        (16, 0, 0, 150, 150, (0, 9)),  # a per-page value: final once its page is
     ],
 )
 def test_row_range(ratio, keep_last, start, end, n, rows):
     t = torch.zeros(4, 16 // ratio, 2)
     kind = CacheKind("x", t, PAGE, 0, ratio=ratio, keep_last=keep_last)
     assert kind.row_range(start, end, n) == rows
+    if not keep_last:
+        assert kind.row_range(start, end, n, resume_rows=True) == rows
+
+
+@pytest.mark.parametrize(
+    "ratio, keep_last, start, end, n, rows",
+    [
+        (1, 15, 0, 150, 150, (129, 150)),  # + 6 rows: a hit at 144 reads back to 129
+        (1, 15, 0, 22, 150, (129, 129)),  # an early chunk: still nothing
+        (1, 15, 132, 150, 150, (132, 150)),
+        (1, 15, 0, 144, 144, (129, 144)),  # ends on a boundary: what decode reads anyway
+        (1, 15, 0, 20, 20, (1, 20)),  # a hit at 16 reads back to 1, decode's step to 5
+        (1, 15, 0, 10, 10, (0, 10)),  # no full page: no hit can end inside it
+        (1, 40, 0, 150, 150, (104, 150)),  # a window over pages: 144 - 40
+        (16, 16, 0, 150, 150, (8, 9)),  # a per-page value: the last full page's
+        (16, 16, 0, 40, 40, (1, 2)),
+    ],
+)
+def test_resume_rows_sends_the_rows_a_hit_at_the_last_full_page_reads(
+    ratio, keep_last, start, end, n, rows
+):
+    """A decode that caches the prompt's pages (`ReserveAck.resume_rows`) gets the rows of the
+    keep_last tokens before the prompt's last full page boundary too (a later hit ending there
+    reads them); never fewer than without the cache."""
+    t = torch.zeros(4, 16 // ratio, 2)
+    kind = CacheKind("x", t, PAGE, 0, ratio=ratio, keep_last=keep_last)
+    assert kind.row_range(start, end, n, resume_rows=True) == rows
+    old = kind.row_range(start, end, n)
+    assert rows[0] <= old[0] and rows[1] - rows[0] >= old[1] - old[0]
 
 
 def test_sharded_kind_describes_whole_rows_and_installs_its_heads():

@@ -86,9 +86,9 @@ def _sent_rows(engine: Engine) -> torch.Tensor:
     for ids, pages in zip(PROMPTS, _pages(engine), strict=True):
         n = len(ids)
         if runner.tp.is_parallel:
-            buf = runner.gather_piece(kinds, pages, 0, 0, n, n)
+            buf = runner.gather_piece(kinds, pages, 0, 0, n, n, False)
         else:
-            buf = gather(kinds, piece_rows(kinds, pages, 0, runner.page_size, 0, n, n))
+            buf = gather(kinds, piece_rows(kinds, pages, 0, runner.page_size, 0, n, n, False))
         rows = torch.frombuffer(bytearray(buf), dtype=torch.float32)
         out.append(rows.view(len(kinds), n, -1).transpose(0, 1))
     return torch.cat(out)
