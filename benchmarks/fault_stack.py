@@ -130,7 +130,7 @@ def oracle_tokens(args: argparse.Namespace, log_path: str) -> dict[str, list[str
                     break
             except httpx.HTTPError:
                 pass
-            time.sleep(1)
+            time.sleep(0.1)
         out: dict[str, list[str]] = {}
         with httpx.Client(timeout=120) as c:
             for p in PROMPTS:
@@ -140,7 +140,7 @@ def oracle_tokens(args: argparse.Namespace, log_path: str) -> dict[str, list[str
                 out[p] = o.tokens
         return out
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.terminate()  # SIGTERM: the same clean stop as SIGINT, without KeyboardInterrupt's slow exit
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:

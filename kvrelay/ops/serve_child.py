@@ -42,7 +42,7 @@ class ServeChild:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)
         raise LaunchError(f"`kvrelay serve` not healthy within {timeout_s:g}s; see {self.log_path}")
 
     def stop(self, timeout_s: float = 20.0) -> None:
