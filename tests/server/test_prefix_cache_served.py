@@ -68,16 +68,8 @@ async def _conversations(server: ServerProcess, n: int, concurrency: int) -> lis
 
 
 def _both(servers, n: int, concurrency: int):
-    """The same conversations on the cache-on and the cache-off server, both at once (separate
-    processes: neither sees the other's requests; the one waits less for the other's turns)."""
-
-    async def both():
-        return await asyncio.gather(
-            _conversations(servers["on"], n, concurrency),
-            _conversations(servers["off"], n, concurrency),
-        )
-
-    on, off = asyncio.run(both())
+    on = asyncio.run(_conversations(servers["on"], n, concurrency))
+    off = asyncio.run(_conversations(servers["off"], n, concurrency))
     return on, off
 
 
