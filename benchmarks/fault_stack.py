@@ -122,15 +122,16 @@ def oracle_tokens(args: argparse.Namespace, log_path: str) -> dict[str, list[str
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + args.start_timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise SystemExit(f"the oracle server exited rc={proc.returncode}: {log_path}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        with httpx.Client(timeout=2) as http:  # httpx.get: a client per call, ~30 ms of CPU
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    raise SystemExit(f"the oracle server exited rc={proc.returncode}: {log_path}")
+                try:
+                    if http.get(url + "/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.1)
         out: dict[str, list[str]] = {}
         with httpx.Client(timeout=120) as c:
             for p in PROMPTS:
@@ -140,7 +141,7 @@ def oracle_tokens(args: argparse.Namespace, log_path: str) -> dict[str, list[str
                 out[p] = o.tokens
         return out
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.terminate()  # SIGTERM: the same clean stop as SIGINT, without KeyboardInterrupt's slow exit
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:

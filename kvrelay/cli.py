@@ -8,8 +8,8 @@ from pathlib import Path
 
 from kvrelay.bench.cli import add_bench_parser
 from kvrelay.bench.repro import add_repro_parser
-from kvrelay.cache.dsv4_pool import INDEX_K_DTYPES
 from kvrelay.config import (
+    INDEX_K_DTYPES,
     CacheConfig,
     DisaggConfig,
     EngineConfig,

@@ -41,6 +41,9 @@ class ModelConfig:
         return self.num_layers * layer + v * h + head + h
 
 
+INDEX_K_DTYPES = ("auto", "fp8")  # DeepSeek-V4 index keys; auto: the model dtype (bf16 on GPU)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     page_size: int = 16

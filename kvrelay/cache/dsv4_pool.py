@@ -35,11 +35,11 @@ import torch
 
 from kvrelay.cache.kv_pool import zeroed
 from kvrelay.cache.paging import row_index
+from kvrelay.config import INDEX_K_DTYPES
 from kvrelay.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
 from kvrelay.models.deepseek_v4.precision import wide_dtype
 from kvrelay.models.deepseek_v4.state import CompressorState, LayerState
 
-INDEX_K_DTYPES = ("auto", "fp8")  # auto: the model dtype (bf16 on GPU)
 _FP8 = torch.float8_e4m3fn
 _FP8_MAX = 448.0
 

@@ -187,6 +187,10 @@ class Launcher:
         Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
         self.children = [Child(s) for s in build_specs(cfg)]
         self.by_name = {c.name: c for c in self.children}
+        # One client for every probe: httpx.get builds a client (and its SSL context) per call,
+        # ~30 ms of CPU, several times a second while the servers load on the same cores. No
+        # keep-alive: each probe opens its own connection, as httpx.get did.
+        self._http = httpx.Client(timeout=2.0, limits=httpx.Limits(max_keepalive_connections=0))
 
     @property
     def router_url(self) -> str:
@@ -262,11 +266,10 @@ class Launcher:
     def _is_healthy(self, c: Child) -> bool:
         return self._probe(c)[0]
 
-    @staticmethod
-    def _probe(c: Child) -> tuple[bool, bool, str]:
+    def _probe(self, c: Child) -> tuple[bool, bool, str]:
         """(healthy, answered at all, the cause a 503 names)."""
         try:
-            r = httpx.get(c.spec.url + "/health", timeout=2.0)
+            r = self._http.get(c.spec.url + "/health")
         except httpx.HTTPError as e:
             return False, False, f"no answer: {type(e).__name__}"
         if r.status_code == 200:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvrelay.server.tokenizer_cache import gguf_tokenizer
-from kvrelay.weights.loader import ModelSource
+
+if TYPE_CHECKING:  # the loader imports torch: a router (through sglang_api) needs none of it
+    from kvrelay.weights.loader import ModelSource
 
 
 def load_tokenizer(src: ModelSource):

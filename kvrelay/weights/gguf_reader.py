@@ -87,8 +87,6 @@ def read_weights(
     (dim, start, stop) | None` (tensor parallel) only that slice of each tensor is dequantized
     from the memory-mapped file (rows: a view; columns: whole quant blocks of every row);
     `nbytes` (tests) gets the bytes each tensor's read touched."""
-    from gguf.quants import dequantize
-
     permute = cfg.architecture == "LlamaForCausalLM"
     for t in reader.tensors:
         name = _hf_name(t.name)
@@ -100,14 +98,34 @@ def read_weights(
         heads = shape[0] / rows  # the share of q/k heads in a row slice (1 for whole rows)
         if nbytes is not None:
             nbytes[name] = data.nbytes
-        w = dequantize(data, t.tensor_type).reshape(shape)
+        w = _dequantize(data, t.tensor_type).reshape(shape)
         if r is not None and r[0] == 1 and w.shape[1] != r[2] - r[1]:
             w = w[:, r[1] : r[2]]  # columns inside a quant block: whole rows were read
         if permute and name.endswith("q_proj.weight"):
             w = _unpermute(w, round(cfg.num_heads * heads))
         elif permute and name.endswith("k_proj.weight"):
             w = _unpermute(w, round(cfg.num_kv_heads * heads))
-        yield name, torch.from_numpy(np.array(w, dtype=np.float32))
+        if w.dtype != np.float32 or not w.flags.writeable or not w.flags.c_contiguous:
+            w = np.array(w, dtype=np.float32)  # F32 tensors are views of the read-only mapping
+        yield name, torch.from_numpy(w)
+
+
+def _dequantize(data: np.ndarray, qtype) -> np.ndarray:
+    """gguf's `dequantize` (float32), its own per-block arithmetic; a block-quantized tensor goes
+    through gguf's `dequantize_rows` 256 rows at a time instead of its 16 (half the time here:
+    per-call overhead; the same values, element by element)."""
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import _type_traits, dequantize
+
+    q = _type_traits.get(qtype)
+    if q is None or q.grid_hex is not None:  # plain floats, or a grid type: gguf as is
+        return dequantize(data, qtype)
+    block, size = GGML_QUANT_SIZES[qtype]
+    rows = data.reshape(-1, data.shape[-1])
+    out = np.empty((rows.shape[0], rows.shape[1] // size * block), dtype=np.float32)
+    for i in range(0, rows.shape[0], 256):
+        out[i : i + 256] = q.dequantize_rows(rows[i : i + 256])
+    return out.reshape(*data.shape[:-1], out.shape[-1])
 
 
 def _slice(t, shape: list[int], dim: int, start: int, stop: int):

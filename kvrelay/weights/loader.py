@@ -153,7 +153,7 @@ def build_dense(
     cls = registry.model_class(src.config.architecture)
     with torch.device("meta"):
         model = cls(src.config) if not tp.is_parallel else cls(src.config, tp)
-    model = model.to_empty(device=device)
+    model = _to_empty(model, device)
     if src.kind == "dummy" and tp.is_parallel:
         # The same full weights as one rank would draw, each cut to this rank's part on load.
         with torch.device("meta"):
@@ -180,6 +180,16 @@ def build_dense(
         c.head_dim, c.rope_theta, c.rope_scaling, max_positions, dtype, device
     )
     return model
+
+
+def _to_empty(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`model.to_empty(device=device)` without its `torch.empty_like` of meta tensors, which
+    goes through torch's Python refs and imports sympy: ~0.5-2 s of every engine start on a
+    small CPU machine. Same result: uninitialised storage of each tensor's shape, strides and
+    dtype on `device`."""
+    return model._apply(
+        lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+    )
 
 
 def build_dsv4(

@@ -225,7 +225,7 @@ def _serves_again(url: str, key: str, timeout: float) -> None:
             return
         except openai.APIError as e:
             last = e
-            time.sleep(1)
+            time.sleep(0.25)
     pytest.fail(f"no successful request after the restart: {last}")
 
 

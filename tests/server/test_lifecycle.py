@@ -71,7 +71,11 @@ def test_dead_engine_gives_503_and_failed_health():
 
         th = threading.Thread(target=long_request)
         th.start()
-        time.sleep(2.0)
+        # Killed mid-request: once the engine reports it running (it decodes for minutes).
+        deadline = time.time() + 60
+        while s.metric("kvrelay_num_requests_running") < 1:
+            assert time.time() < deadline and th.is_alive(), "the request never ran"
+            time.sleep(0.05)
         os.kill(s.engine_pid(), signal.SIGKILL)
         th.join(timeout=30)
         assert not th.is_alive(), "in-flight request hung after the engine died"

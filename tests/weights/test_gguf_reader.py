@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
-from gguf.quants import quantize
+from gguf.quants import dequantize, quantize
 
-from kvrelay.weights.gguf_reader import open_gguf
+from kvrelay.weights.gguf_reader import _dequantize, open_gguf
 
 
 def _write(path, n_tokens: int, seed: int) -> None:
@@ -73,3 +73,34 @@ def test_parsed_once_per_process_and_again_once_changed(tmp_path):
     second = open_gguf(str(path))
     assert second is not first
     assert len(second.fields["tokenizer.ggml.tokens"]) == 20
+
+
+def test_dequantize_equals_gguf_bit_for_bit(tmp_path):
+    """The loader's dequantizer (gguf's rows, grouped by 256) gives gguf's own `dequantize`,
+    bit for bit: the first tensor of each type in the embedded SmolLM2 (Q4_1, Q8_0, F32), whole
+    (up to 600 rows) and cut to quant-block columns (a TP rank's read), and synthetic quantized
+    tensors of over 256 rows (HF parity checks the whole file's result against transformers'
+    own dequantization)."""
+    from kvrelay.weights.loader import resolve
+
+    def same(data, qtype) -> None:
+        want = np.asarray(dequantize(data, qtype), dtype=np.float32)
+        got = _dequantize(data, qtype)
+        assert got.shape == want.shape and got.dtype == np.float32
+        np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))
+
+    types = set()
+    for t in open_gguf(resolve("smollm2").path).tensors:
+        if t.tensor_type in types:  # one code path per type: its first tensor says it
+            continue
+        rows = t.data[:600]  # the embedding has 49k rows: 600 span three groups of 256
+        same(rows, t.tensor_type)
+        if t.tensor_type != GGMLQuantizationType.F32:
+            same(rows[:, : rows.shape[1] // 2], t.tensor_type)
+        types.add(t.tensor_type)
+    assert {GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0} <= types
+    rng = np.random.default_rng(0)
+    for q in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0):
+        same(quantize(rng.standard_normal((600, 64), dtype=np.float32), q), q)
+    # A k-quant (gguf cannot quantize to it): random blocks of 144 bytes, 600 rows of one.
+    same(rng.integers(0, 256, (600, 144), dtype=np.uint8), GGMLQuantizationType.Q4_K)
