@@ -114,12 +114,13 @@ def _dequantize(data: np.ndarray, qtype) -> np.ndarray:
     """gguf's `dequantize` (float32), its own per-block arithmetic; a block-quantized tensor goes
     through gguf's `dequantize_rows` 256 rows at a time instead of its 16 (half the time here:
     per-call overhead; the same values, element by element)."""
+    from gguf import quants
     from gguf.constants import GGML_QUANT_SIZES
-    from gguf.quants import _type_traits, dequantize
 
-    q = _type_traits.get(qtype)
-    if q is None or q.grid_hex is not None:  # plain floats, or a grid type: gguf as is
-        return dequantize(data, qtype)
+    # `_type_traits` is gguf's private table: without it (another gguf version), gguf as is.
+    q = getattr(quants, "_type_traits", {}).get(qtype)
+    if q is None or getattr(q, "grid_hex", None) is not None or not hasattr(q, "dequantize_rows"):
+        return quants.dequantize(data, qtype)  # plain floats, a grid type, or an unknown gguf
     block, size = GGML_QUANT_SIZES[qtype]
     rows = data.reshape(-1, data.shape[-1])
     out = np.empty((rows.shape[0], rows.shape[1] // size * block), dtype=np.float32)
