@@ -6,6 +6,10 @@ and the server's prefix-cache counters. Starts the servers itself, one after the
 
 CPU (SmolLM2, a couple of minutes):
     python benchmarks/prefix_cache.py --out benchmarks/results/prefix_cache_smollm2_cpu.json
+CPU (the tiny DeepSeek-V4 agent, under a minute):
+    python benchmarks/prefix_cache.py --model ../shared/models/dsv4-tiny-agent --num-prompts 12 \
+        --prefix-len 384 --max-total-tokens 8192 \
+        --out benchmarks/results/prefix_cache_dsv4_tiny_agent_cpu.json
 """
 
 from __future__ import annotations
