@@ -150,8 +150,10 @@ def _elementwise(op):
 
 
 def _elementwise_inplace(op):
+    out_of_place = _elementwise(op)
+
     def run(x, *args, **kwargs):
-        out = _elementwise(op)(x, *args, **kwargs)
+        out = out_of_place(x, *args, **kwargs)
         return out if out is NotImplemented else x.copy_(out)
 
     return run
