@@ -174,6 +174,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="TEST ONLY: from the N-th batch step on, every forward fails, as after a sticky "
         "CUDA error (0: off)",
     )
+    g.add_argument(
+        "--test-step-delay",
+        type=float,
+        default=d.test_step_delay_s,
+        metavar="S",
+        help="TEST ONLY: sleep S seconds in every batch step, a slow server (0: off)",
+    )
     x = DisaggConfig()
     g = p.add_argument_group("prefill-decode disaggregation")
     g.add_argument(
@@ -350,6 +357,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         fault_swap_token_p=p,
         fault_swap_token_min_batch=k,
         fault_sticky_error_after=a.test_fault_sticky_error,
+        test_step_delay_s=a.test_step_delay,
         role=a.role,
         disagg=DisaggConfig(
             transfer_backend=a.transfer_backend,

@@ -119,6 +119,8 @@ class EngineConfig:
     fault_swap_token_min_batch: int = 0
     # Test-only: from the N-th batch step on, every forward raises, as after a sticky CUDA error.
     fault_sticky_error_after: int = 0
+    # Test-only: sleep this long in every batch step (a slow server: overload and slow-peer tests).
+    test_step_delay_s: float = 0.0
     role: str = "single"  # single | prefill | decode
     # Ranks of one engine: rank 0 schedules and broadcasts each step's batch.
     tensor_parallel_size: int = 1

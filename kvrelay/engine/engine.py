@@ -228,6 +228,8 @@ class Engine:
                 raise RuntimeError(
                     "CUDA error: an illegal memory access was encountered (test fault)"
                 )
+            if self.cfg.test_step_delay_s > 0:
+                time.sleep(self.cfg.test_step_delay_s)
             if self.host_tier is not None:  # the gate: host-tier copies land before any read
                 self.host_tier.gate.wait()
             step = self.runner.forward_step(batch, profile)
