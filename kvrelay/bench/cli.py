@@ -415,7 +415,11 @@ def bench_headline(result: dict) -> str:
     parts = [
         f"{level_label(lv)}: {lv['output_throughput']:.1f} tok/s, TTFT {ms(lv['ttft_ms']['mean'])} ms, "
         f"TPOT {ms(lv['tpot_ms']['mean'])} ms"
-        + (f", {lv['failed']} failed" if lv["failed"] else "")
+        + (
+            f", {lv['failed']} failed ({bm.describe_causes(lv.get('failure_causes') or {})})"
+            if lv["failed"]
+            else ""
+        )
         for lv in result["levels"]
     ]
     if result.get("step_fit"):

@@ -134,7 +134,8 @@ async def stream_request(
         async with asyncio.timeout(timeout_s):
             async with client.stream("POST", base_url + spec.endpoint, json=body) as r:
                 if r.status_code != 200:
-                    rec.error = f"HTTP {r.status_code}: {_error_message(await r.aread())}"
+                    rec.cause = str(r.status_code)
+                    rec.error = http_error(r.status_code, await r.aread(), r.headers)
                     return rec, resp
                 async for line in r.aiter_lines():
                     if not line.startswith("data:"):
@@ -146,7 +147,7 @@ async def stream_request(
                     now = time.perf_counter()
                     obj = json.loads(data)
                     if "error" in obj:
-                        rec.error = f"stream error: {_error_message(json.dumps(obj).encode())}"
+                        rec.cause, rec.error = "stream_error", stream_error(obj)
                         return rec, resp
                     if obj.get("usage"):
                         usage = obj["usage"]
@@ -160,18 +161,19 @@ async def stream_request(
                     last, chunks = now, chunks + 1
                     _absorb(choices[0], resp, calls)
     except TimeoutError:
-        rec.error = f"timeout after {timeout_s:g}s"
+        rec.cause, rec.error = "timeout", f"timeout after {timeout_s:g}s"
         return rec, resp
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
-        rec.error = f"{type(e).__name__}: {e}"
+    # httpx's own (connect, read, protocol, pool), a chunk that is not JSON or not shaped like one
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as e:
+        rec.cause, rec.error = f"exception:{type(e).__name__}", f"{type(e).__name__}: {e}"
         return rec, resp
     rec.e2e = time.perf_counter() - start
     if not done:
-        rec.error = "stream ended without [DONE]"
+        rec.cause, rec.error = "no_done", "stream ended without [DONE]"
         return rec, resp
     rec.success = rec.ttft is not None
     if not rec.success:
-        rec.error = "no tokens streamed"
+        rec.cause, rec.error = "no_tokens", "no tokens streamed"
     rec.prompt_tokens = int((usage or {}).get("prompt_tokens", 0))
     rec.cached_tokens = int(
         ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
@@ -202,12 +204,39 @@ def _absorb(choice: dict, resp: Response, calls: dict[int, dict]) -> None:
     resp.finish_reason = choice.get("finish_reason") or resp.finish_reason
 
 
-def _error_message(raw: bytes) -> str:
-    try:
-        obj = json.loads(raw)
-        return str(obj["error"]["message"]) if isinstance(obj.get("error"), dict) else str(obj)
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return raw[:200].decode(errors="replace")
+def error_fields(raw: bytes | dict) -> tuple[str | None, str]:
+    """The code and message of an OpenAI error body (`{"error": {"message", "code", ...}}`);
+    of anything else: no code, and its first 200 characters."""
+    obj = raw
+    if not isinstance(raw, dict):
+        try:
+            obj = json.loads(raw)
+        except ValueError:
+            return None, raw[:200].decode(errors="replace")
+    err = obj.get("error") if isinstance(obj, dict) else None
+    if isinstance(err, dict):
+        code = err.get("code")
+        return (str(code) if code else None), str(err.get("message") or json.dumps(err))
+    if isinstance(err, str):
+        return None, err
+    return None, json.dumps(obj)[:200]
+
+
+def http_error(status: int, raw: bytes, headers: httpx.Headers | None = None) -> str:
+    """'HTTP 429 overloaded (Retry-After 1): <message>': the status, the body's code, the
+    Retry-After header when there is one, and the body's message."""
+    code, message = error_fields(raw)
+    head = f"HTTP {status}" + (f" {code}" if code else "")
+    retry = headers.get("retry-after") if headers is not None else None
+    if retry is not None:
+        head += f" (Retry-After {retry})"
+    return f"{head}: {message or '(empty body)'}"
+
+
+def stream_error(event: dict) -> str:
+    """An SSE error event (a stream that had begun, so its status was already 200)."""
+    code, message = error_fields(event)
+    return "stream error" + (f" {code}" if code else "") + f": {message}"
 
 
 # --- sessions under load ------------------------------------------------------------------------
@@ -343,7 +372,7 @@ async def calibrate(
             raise BenchError(f"calibration probe failed: {type(e).__name__}: {e}") from None
         if r.status_code != 200:
             raise BenchError(
-                f"calibration probe rejected: HTTP {r.status_code}: {_error_message(r.content)}"
+                f"calibration probe rejected: {http_error(r.status_code, r.content, r.headers)}"
             )
         try:
             usage = r.json().get("usage") or {}
@@ -569,6 +598,7 @@ def _detail(r: RequestRecord) -> dict:
         "turn": r.turn,
         "start_s": r.start,
         "success": r.success,
+        "cause": r.cause,
         "error": r.error,
         "ttft_ms": ms(r.ttft),
         "tpot_ms": ms(r.tpot),
@@ -589,6 +619,7 @@ def _totals(levels: list[dict]) -> dict:
         "requests": sum(lv["num_requests"] for lv in levels),
         "completed": sum(lv["completed"] for lv in levels),
         "failed": sum(lv["failed"] for lv in levels),
+        "failure_causes": bm.merge_causes(lv["failure_causes"] for lv in levels),
         "output_tokens": sum(lv["total_output_tokens"] for lv in levels),
         "input_tokens": sum(lv["total_input_tokens"] for lv in levels),
         "server_requests": sum(s["requests"] for s in servers) if known else None,

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 SLO_KEYS = ("ttft", "tpot", "e2el")
+NUM_ERROR_EXAMPLES = 5  # failures kept word for word per level (the first ones)
 
 
 @dataclass
@@ -19,7 +20,10 @@ class RequestRecord:
     turn: int = 0
     start: float = 0.0
     success: bool = False
-    error: str | None = None
+    error: str | None = None  # what went wrong, in words: the server's message where it sent one
+    # Failure class: the HTTP status ("429"), "stream_error" (an SSE error event), "timeout",
+    # "no_done", "no_tokens" or "exception:<type>" (what the client raised); None on success.
+    cause: str | None = None
     ttft: float | None = None  # send -> first chunk carrying a choice
     itl: list[float] = field(default_factory=list)  # gaps between successive choice chunks
     e2e: float | None = None  # send -> end of stream
@@ -147,7 +151,44 @@ def level_summary(
         "e2el_ms": summarize([r.e2e for r in ok if r.e2e is not None], pcts, 1e3),
         "finish_reasons": _count(r.finish_reason or "none" for r in ok),
         "errors": group_errors([r.error or "unknown error" for r in records if not r.success]),
+        **failure_report(
+            [
+                (r.cause, r.error, {"session": r.session, "turn": r.turn, "start_s": r.start})
+                for r in sorted(records, key=lambda r: r.start)
+                if not r.success
+            ]
+        ),
     }
+
+
+def failure_report(
+    failures: Sequence[tuple[str | None, str | None, dict]], num_examples: int = NUM_ERROR_EXAMPLES
+) -> dict:
+    """Why requests failed: `failure_causes`, a histogram of their classes (HTTP status,
+    stream_error, exception:<type>, ...), most frequent first; and `error_examples`, the first
+    `num_examples` failures word for word (cause, error, and the given context)."""
+    causes = _count(c or "unknown" for c, _, _ in failures)
+    return {
+        "failure_causes": dict(sorted(causes.items(), key=lambda kv: -kv[1])),
+        "error_examples": [
+            {"cause": c or "unknown", "error": e or "unknown error", **where}
+            for c, e, where in failures[:num_examples]
+        ],
+    }
+
+
+def merge_causes(histograms: Iterable[dict[str, int]]) -> dict[str, int]:
+    """The sum of several failure histograms, most frequent first."""
+    out: dict[str, int] = {}
+    for h in histograms:
+        for k, n in h.items():
+            out[k] = out.get(k, 0) + n
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def describe_causes(causes: dict[str, int]) -> str:
+    """'429 3, stream_error 1' (most frequent first)."""
+    return ", ".join(f"{k} {n}" for k, n in causes.items())
 
 
 def group_errors(errors: Iterable[str]) -> list[dict]:
@@ -155,9 +196,14 @@ def group_errors(errors: Iterable[str]) -> list[dict]:
     most frequent first."""
     groups: dict[str, dict] = {}
     for e in errors:
-        g = groups.setdefault(re.sub(r"\d+", "#", e), {"error": e, "count": 0})
+        g = groups.setdefault(error_kind(e), {"error": e, "count": 0})
         g["count"] += 1
     return sorted(groups.values(), key=lambda g: -g["count"])
+
+
+def error_kind(error: str) -> str:
+    """An error message with its numbers blanked: messages of one kind compare equal."""
+    return re.sub(r"\d+", "#", error)
 
 
 def _count(items: Iterable[str]) -> dict[str, int]:

@@ -8,7 +8,12 @@ import math
 from pathlib import Path
 from typing import IO
 
-from kvrelay.bench.metrics import percentile_key
+from kvrelay.bench.metrics import (
+    NUM_ERROR_EXAMPLES,
+    describe_causes,
+    error_kind,
+    percentile_key,
+)
 from kvrelay.bench.stepfit import describe
 from kvrelay.bench.stepsplit import describe_split
 
@@ -61,12 +66,25 @@ def table_rows(result: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def error_lines(result: dict) -> list[str]:
-    """One line per kind of failure and level: the level, the count, an example message."""
-    return [
-        f"{level_label(lv)}: {e['count']} failed: {e['error']}"
-        for lv in result["levels"]
-        for e in lv["errors"]
-    ]
+    """Per level with failures: how many failed, by cause (HTTP status, stream_error,
+    exception:<type>, ...); the first failures word for word; then each other kind of failure
+    (messages that differ only in numbers are one kind) with its count and an example."""
+    lines = []
+    for lv in result["levels"]:
+        if not lv["failed"]:
+            continue
+        label = level_label(lv)
+        causes = lv.get("failure_causes") or {}
+        lines.append(f"{label}: {lv['failed']} failed, by cause: {describe_causes(causes) or '-'}")
+        examples = lv.get("error_examples") or []
+        shown = {error_kind(e["error"]) for e in examples}
+        lines += [f"  [{e['cause']}] {e['error']}" for e in examples]
+        lines += [
+            f"  and {g['count']} like: {g['error']}"
+            for g in lv["errors"]
+            if error_kind(g["error"]) not in shown
+        ][:NUM_ERROR_EXAMPLES]
+    return lines
 
 
 def step_fit_line(result: dict) -> list[str]:

@@ -36,7 +36,8 @@ import httpx
 
 from kvrelay.bench import repro_sessions as sessions
 from kvrelay.bench.detectors import DETECTORS, Reply, detect
-from kvrelay.bench.loadgen import BenchError, resolve_model
+from kvrelay.bench.loadgen import BenchError, http_error, resolve_model
+from kvrelay.bench.metrics import describe_causes, failure_report, merge_causes
 from kvrelay.bench.repro_judge import Turn, TurnVerdict, judge_level
 from kvrelay.bench.repro_report import highlight, print_report
 from kvrelay.bench.verify import DEFAULT_NEAR_TIE, Output
@@ -120,17 +121,24 @@ def parse_choice(choice: dict) -> tuple[Output, Reply]:
 
 async def chat(
     client: httpx.AsyncClient, url: str, model: str, body: dict, timeout: float
-) -> tuple[Output, Reply]:
+) -> tuple[Output, Reply, str | None]:
+    """One turn: its output and reply, and on failure its cause (the HTTP status, "bad_response"
+    or "exception:<type>"; the message is the output's error)."""
     try:
         r = await client.post(url + CHAT, json={"model": model, **body}, timeout=timeout)
     except httpx.HTTPError as e:
-        return Output(error=f"{type(e).__name__}: {e}"), Reply()
+        return Output(error=f"{type(e).__name__}: {e}"), Reply(), f"exception:{type(e).__name__}"
     if r.status_code != 200:
-        return Output(error=f"HTTP {r.status_code}: {r.text[:200]}"), Reply()
+        return (
+            Output(error=http_error(r.status_code, r.content, r.headers)),
+            Reply(),
+            str(r.status_code),
+        )
     try:
-        return parse_choice(r.json()["choices"][0])
-    except (ValueError, KeyError, IndexError, TypeError) as e:
-        return Output(error=f"bad response ({type(e).__name__}): {r.text[:200]}"), Reply()
+        return (*parse_choice(r.json()["choices"][0]), None)
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+        err = f"bad response ({type(e).__name__}): {r.text[:200]}"
+        return Output(error=err), Reply(), "bad_response"
 
 
 class Runner:
@@ -140,11 +148,11 @@ class Runner:
         self.client, self.url, self.model, self.cfg = client, url, model, cfg
 
     async def turn(self, body: dict) -> Turn:
-        output, reply = await chat(
+        output, reply, cause = await chat(
             self.client, self.url, self.model, body, self.cfg.request_timeout_s
         )
         findings = [] if output.error else detect(reply, sessions.SCHEMAS, self.cfg.ignore_eos)
-        return Turn(body, output, reply, findings)
+        return Turn(body, output, reply, findings, cause)
 
     async def free_session(self, index: int, messages: list[dict]) -> list[Turn]:
         """The reference: the session's own replies (and their tool calls) become its history."""
@@ -225,8 +233,11 @@ async def run_repro(cfg: ReproConfig, on_pass=None) -> dict:
     starts = sessions.initial_messages(
         cfg.num_sessions, cfg.seed, cfg.task_words, cfg.system_prompt
     )
+    # No cap on connections (httpx's default is 100): a level of c sessions must put c requests
+    # in flight, not queue the rest in the client's pool where they time out unexplained.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(
-        timeout=cfg.request_timeout_s, headers=api_key_headers()
+        timeout=cfg.request_timeout_s, headers=api_key_headers(), limits=limits
     ) as client:
         model = cfg.model or await resolve_model(client, cfg.url)
         ref_model = cfg.model or await resolve_model(client, ref_url)
@@ -254,6 +265,14 @@ async def run_repro(cfg: ReproConfig, on_pass=None) -> dict:
             if on_pass:
                 on_pass(f"concurrency {c}", secs)
     ref_findings = Counter(f.detector for t in ref_turns for f in t.findings)
+    ref_failures = failure_report(
+        [
+            (t.cause, t.output.error, {"session": i, "turn": k})
+            for i, ts in enumerate(reference)
+            for k, t in enumerate(ts)
+            if t.output.error
+        ]
+    )
     failed = sum(1 for t in ref_turns if t.output.error) + sum(
         lv["failed_requests"] for lv in levels
     )
@@ -261,7 +280,11 @@ async def run_repro(cfg: ReproConfig, on_pass=None) -> dict:
     if corrupted:
         verdict, code = "corruption found", 1
     elif failed:
-        verdict, code = "no corruption seen, but requests failed", 2
+        causes = merge_causes(
+            [ref_failures["failure_causes"], *(lv["failure_causes"] for lv in levels)]
+        )
+        verdict = f"no corruption seen, but {failed} requests failed ({describe_causes(causes)})"
+        code = 2
     else:
         verdict, code = "no corruption", 0
     return {
@@ -277,6 +300,7 @@ async def run_repro(cfg: ReproConfig, on_pass=None) -> dict:
             "sessions": len(reference),
             "duration_s": ref_secs,
             "failed_requests": sum(1 for t in ref_turns if t.output.error),
+            **ref_failures,  # failure_causes (a histogram) and the first error_examples
             "output_tokens": sum(len(t.output.tokens) for t in ref_turns),
             "tokens_per_session": [sum(len(t.output.tokens) for t in ts) for ts in reference],
             "detectors": {d: ref_findings[d] for d in DETECTORS},

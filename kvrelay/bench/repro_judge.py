@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from kvrelay.bench import repro_sessions as sessions
 from kvrelay.bench.detectors import DETECTORS, Finding, Reply, detect
+from kvrelay.bench.metrics import failure_report
 from kvrelay.bench.repro_report import wilson
 from kvrelay.bench.verify import Comparison, Output, compare, divergence_histogram
 
@@ -27,6 +28,7 @@ class Turn:
     output: Output  # text and logprob tokens, as verify compares them
     reply: Reply
     findings: list[Finding] = field(default_factory=list)
+    cause: str | None = None  # failed: the HTTP status, "bad_response" or "exception:<type>"
 
 
 @dataclass
@@ -38,6 +40,7 @@ class TurnVerdict:
     new_findings: list[Finding] = field(default_factory=list)  # counted
     after_near_tie: list[Finding] = field(default_factory=list)  # reported, not counted
     error: str | None = None
+    cause: str | None = None  # of the error (Turn.cause)
 
     @property
     def diverged(self) -> bool:
@@ -70,8 +73,10 @@ def judge_turn(
     near_tie: float,
     ignore_eos: bool = False,
 ) -> TurnVerdict:
-    if test is None or test.output.error:
-        return TurnVerdict(session, k, None, error=test.output.error if test else "not run")
+    if test is None:
+        return TurnVerdict(session, k, None, error="not run", cause="not_run")
+    if test.output.error:
+        return TurnVerdict(session, k, None, error=test.output.error, cause=test.cause)
     c = compare(k, ref.output, test.output, near_tie)
     extra = extra_findings(test.findings, ref.findings)
     # Same token strings but different text (detokenisation) is no near-tie, whatever the gap.
@@ -126,6 +131,14 @@ def judge_level(
         "divergent_turns": len(counted),
         "near_tie_turns": sum(1 for v in verdicts if v.near_tie),
         "failed_requests": sum(1 for v in verdicts if v.error),
+        # Why they failed: a histogram of causes, and the first failures word for word.
+        **failure_report(
+            [
+                (v.cause, v.error, {"session": v.session, "turn": v.turn})
+                for v in verdicts
+                if v.error
+            ]
+        ),
         "detectors": {d: detectors[d] for d in DETECTORS},
         # Findings after a near-tie divergence: the model's habits on other text, not counted.
         "after_near_tie": {d: after[d] for d in DETECTORS},

@@ -44,6 +44,24 @@ def _counts(d: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in d.items() if v) or "-"
 
 
+def failure_lines(result: dict) -> list[str]:
+    """For the reference and each level with failed requests: how many, by cause (HTTP status,
+    bad_response, exception:<type>), then the first failures word for word."""
+    lines = []
+    parts = [("reference", result["reference"])]
+    parts += [(f"concurrency {lv['concurrency']}", lv) for lv in result["levels"]]
+    for name, part in parts:
+        if not part["failed_requests"]:
+            continue
+        causes = ", ".join(f"{k} {n}" for k, n in (part.get("failure_causes") or {}).items())
+        lines.append(f"{name}: {part['failed_requests']} failed requests, by cause: {causes}")
+        lines += [
+            f"  [{e['cause']}] session {e['session']} turn {e['turn']}: {e['error']}"
+            for e in part.get("error_examples") or []
+        ]
+    return lines
+
+
 def print_report(result: dict, out) -> None:
     ref = result["reference"]
     out.write(
@@ -75,6 +93,8 @@ def print_report(result: dict, out) -> None:
                 f"{'':>5} after a near-tie (other text, not counted): "
                 f"{_counts(lv['after_near_tie'])} in {lv['after_near_tie_turns']} turns\n"
             )
+    for line in failure_lines(result):
+        out.write(line + "\n")
     if result["examples"]:
         out.write("worst examples (reference text, then [[reference|test]] and the test's text):\n")
     for i, ex in enumerate(result["examples"], 1):
