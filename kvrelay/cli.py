@@ -21,6 +21,7 @@ from kvrelay.config import (
 )
 from kvrelay.models import registry
 from kvrelay.ops.cli import add_up_parser
+from kvrelay.ops.open_files import raise_open_files_limit
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -406,6 +407,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         )
         print(f"kvrelay ready: {url} (model {state.model_name}) | try: {example}", flush=True)
 
+    raise_open_files_limit(4096)  # a connection per client request (router: one per request)
     uvicorn.run(create_app(cfg, on_ready=ready), host=a.host, port=a.port, log_level="warning")
     return 0
 
@@ -426,9 +428,11 @@ def cmd_router(a: argparse.Namespace) -> int:
         request_timeout_s=a.request_timeout,
         connect_timeout_s=a.connect_timeout,
         max_body_bytes=a.max_body_bytes,
+        max_concurrent_requests=a.max_concurrent_requests,
         api_key=api_key(a),
         pd_secret=pd_secret(a),
     )
+    raise_open_files_limit(3 * cfg.max_concurrent_requests + 256)
 
     def ready() -> None:
         print(
@@ -499,6 +503,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=rc.connect_timeout_s,
         help="seconds to reach a server",
+    )
+    r.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=rc.max_concurrent_requests,
+        help="requests in flight at most (streams until they end); past it a 503 with "
+        "Retry-After, counted as outcome=overloaded",
     )
     add_http_args(r, rc.max_body_bytes, " (the router sends it to the servers too)")
     add_pd_secret_args(r)

@@ -158,6 +158,9 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 10.0
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413 (chunked ones too)
+    # Requests in flight at most; past it a 503 with Retry-After (connection pools are sized to it).
+    max_concurrent_requests: int = 4096
+    probe_interval_s: float = 1.0  # each server's /ready, this often, in the background
     api_key: str = field(default="", repr=False)  # asked of clients, and sent to the servers
     pd_secret: str = field(default="", repr=False)  # signs the PD fields of its requests
 
@@ -194,6 +197,18 @@ ENV_KNOBS: dict[str, EnvKnob] = {
         EnvKnob("KVRELAY_LOG_LEVEL", "INFO", "log level of every kvrelay process"),
         EnvKnob("KVRELAY_ENGINE_START_TIMEOUT_S", "600", "seconds to wait for the engine to load"),
         EnvKnob(
+            "KVRELAY_READY_STALL_S",
+            "10",
+            "a server whose engine loop is silent longer than this (and than 10x its longest "
+            "recent step) reports /ready 503; 0: never",
+        ),
+        EnvKnob(
+            "KVRELAY_ENGINE_STALL_S",
+            "120",
+            "a server whose engine loop is silent longer than this (and than 50x its longest "
+            "recent step) reports /health 503, and `kvrelay up` restarts it; 0: never",
+        ),
+        EnvKnob(
             "KVRELAY_HEALTH_MAX_FAILED_STEPS",
             "3",
             "a server's /health answers 503 once this many engine steps in a row have failed "
@@ -202,8 +217,14 @@ ENV_KNOBS: dict[str, EnvKnob] = {
         EnvKnob(
             "KVRELAY_UP_UNHEALTHY_S",
             "5",
-            "`kvrelay up` restarts a server whose /health has failed for this many seconds since "
-            "it was last healthy (a dead engine, steps failing, or no answer)",
+            "`kvrelay up` restarts a child whose /health has answered 503 for this many seconds "
+            "since it was last healthy (a dead engine, steps failing, a stalled engine loop)",
+        ),
+        EnvKnob(
+            "KVRELAY_UP_UNRESPONSIVE_S",
+            "30",
+            "`kvrelay up` restarts a child whose /health has not answered at all for this many "
+            "seconds (a hung process; a busy one answers, if late)",
         ),
         EnvKnob(
             "KVRELAY_UP_MAX_RESTARTS",

@@ -9,8 +9,12 @@ The PD fields of each request are signed with the PD secret (the `X-Kvrelay-PD-A
 the exact body bytes): servers take them from no one else. With an API key, clients must send it
 (guard.py) and the router sends it to the servers. Bodies are validated as the servers do
 (server/validation.py) before anything is routed, and every answer, 404 and 500 included, is an
-OpenAI error. Outcomes counted: ok, error, client_disconnected (the client left first), and
-http_<status> for what never reached routing.
+OpenAI error. Outcomes counted: ok, error, client_disconnected (the client left first),
+overloaded (past --max-concurrent-requests: 503 with Retry-After), and http_<status> for what
+never reached routing.
+`/health` says the router is alive; `/ready` says it can serve (its PD secret is set and at least
+one prefill and one decode server answered their own `/ready` in the last background probe).
+Both answer from state the router keeps (router_probe.py), never from a request behind traffic.
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ from urllib.parse import quote
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.background import BackgroundTask
 
 from kvrelay.config import RouterConfig
 from kvrelay.disagg.handshake import PD_AUTH_HEADER, request_token
 from kvrelay.disagg.protocol import pd_status
+from kvrelay.disagg.router_lanes import ClientLanes
+from kvrelay.disagg.router_probe import ServerProbe
 from kvrelay.server import prompt_logprobs
 from kvrelay.server.errors import bad_request, install_error_handlers
 from kvrelay.server.guard import HttpGuard
@@ -46,16 +52,18 @@ RETRYABLE = {502, 503, 504}
 
 
 class RouteError(Exception):
-    def __init__(self, status: int, message: str, cause: str) -> None:
+    def __init__(self, status: int, message: str, cause: str, retry_after_s: int = 0) -> None:
         super().__init__(message)
         self.status, self.message, self.cause = status, message, cause
+        self.retry_after_s = retry_after_s
 
     def body(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return {"error": {"message": self.message, "type": kind, "param": None, "code": self.cause}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 @dataclass
@@ -82,13 +90,27 @@ class Router:
             raise ValueError("the router needs at least one prefill and one decode server")
         self.cfg = cfg
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
-            headers=headers,
-            transport=transport,  # tests: scripted servers
+        timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
+        # Two connections per request in flight (prefill and decode): one client of httpx's
+        # default 100 would queue requests past 50 behind one another, and one of 2 x the limit
+        # would walk its whole pool on every request (router_lanes.py).
+        self.lanes = ClientLanes(
+            lambda n: httpx.AsyncClient(
+                timeout=timeout,
+                headers=headers,
+                # Idle connections expire before the servers' own keep-alive (uvicorn: 5 s):
+                # reusing one the server is closing fails the request.
+                limits=httpx.Limits(
+                    max_connections=n, max_keepalive_connections=n, keepalive_expiry=2.0
+                ),
+                transport=transport,  # tests: scripted servers
+            )
         )
+        self.client = self.lanes.clients[0]  # GETs: pair info, models
+        self.probe = ServerProbe(cfg.prefill, cfg.decode, cfg.probe_interval_s, headers)
         self.info: dict[str, PeerInfo] = {}
         self._next = 0
+        self.inflight = 0  # requests admitted and not yet answered (a stream: until it ends)
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "kvrelay_router_requests", "requests by outcome", ["outcome"], registry=r
@@ -104,13 +126,22 @@ class Router:
             "streams the client left before their end (decode's request is aborted)",
             registry=r,
         )
+        Gauge(
+            "kvrelay_router_inflight_requests", "requests admitted and not yet answered", registry=r
+        ).set_function(lambda: self.inflight)
 
     def pick(self) -> tuple[str, str]:
+        """Round robin over the servers of each role that were ready at the last probe (all of
+        them when none was: the attempt then fails with the cause)."""
         i = self._next
         self._next += 1
-        return self.cfg.prefill[i % len(self.cfg.prefill)], self.cfg.decode[
-            i % len(self.cfg.decode)
-        ]
+        p = self.probe.ready_urls("prefill") or self.cfg.prefill
+        d = self.probe.ready_urls("decode") or self.cfg.decode
+        return p[i % len(p)], d[i % len(d)]
+
+    def release(self, lane: int) -> None:
+        self.inflight -= 1
+        self.lanes.release(lane)
 
     async def peer_info(self, url: str, role: str) -> PeerInfo:
         if url in self.info:
@@ -138,19 +169,51 @@ class Router:
                 "KVRELAY_PD_SECRET): PD servers would refuse its requests",
                 "pd_secret_missing",
             ).response()
+        if self.inflight >= self.cfg.max_concurrent_requests:
+            self.requests.labels(outcome="overloaded").inc()
+            self.failures.labels(cause="overloaded").inc()
+            log.warning(
+                "overloaded inflight=%d limit=%d", self.inflight, self.cfg.max_concurrent_requests
+            )
+            return RouteError(
+                503,
+                f"the router has {self.inflight} requests in flight, its limit "
+                "(--max-concurrent-requests): retry later",
+                "overloaded",
+                retry_after_s=1,
+            ).response()
+        self.inflight += 1
+        lane = self.lanes.acquire()
+        streaming = False
+        try:
+            resp = await self._route(path, body, request, lane)
+            streaming = isinstance(resp, StreamingResponse)
+            return resp
+        finally:
+            if not streaming:  # a stream's Relay releases its lane when it ends
+                self.release(lane)
+
+    async def _route(self, path: str, body: dict, request: Request | None, lane: int) -> Response:
         stream = bool(body.get("stream"))
         last: RouteError | None = None
         for attempt in range(max(self.cfg.max_attempts, 1)):
             if attempt:
                 self.retries.inc()
             try:
-                resp = await self._attempt(path, body, stream)
+                resp = await self._attempt(path, body, stream, lane)
                 if not isinstance(resp, StreamingResponse):  # a stream's Relay counts its own
                     gone = request is not None and await request.is_disconnected()
                     self.requests.labels(outcome="client_disconnected" if gone else "ok").inc()
                 return resp
             except RouteError as e:
                 self.failures.labels(cause=e.cause).inc()
+                log.warning(
+                    "attempt failed attempt=%d status=%d cause=%s message=%s",
+                    attempt + 1,
+                    e.status,
+                    e.cause,
+                    e.message,
+                )
                 last = e
                 if e.status not in RETRYABLE:
                     break
@@ -158,10 +221,10 @@ class Router:
         self.requests.labels(outcome="error").inc()
         return last.response()
 
-    async def _attempt(self, path: str, body: dict, stream: bool) -> Response:
+    async def _attempt(self, path: str, body: dict, stream: bool, lane: int) -> Response:
         p_url, d_url = self.pick()
         try:
-            return await self._attempt_pair(path, body, stream, p_url, d_url)
+            return await self._attempt_pair(path, body, stream, p_url, d_url, lane)
         except RouteError:
             # Either server may have restarted (new instance id and transfer address): ask again.
             self.info.pop(p_url, None)
@@ -169,8 +232,9 @@ class Router:
             raise
 
     async def _attempt_pair(
-        self, path: str, body: dict, stream: bool, p_url: str, d_url: str
+        self, path: str, body: dict, stream: bool, p_url: str, d_url: str, lane: int
     ) -> Response:
+        client = self.lanes.client(lane)
         await self.peer_info(p_url, "prefill")
         dinfo = await self.peer_info(d_url, "decode")
         rid = f"{'chatcmpl' if 'chat' in path else 'cmpl'}-{uuid.uuid4().hex}"
@@ -197,9 +261,9 @@ class Router:
             stream,
         )
         dtask = asyncio.create_task(
-            self.client.send(self._signed(d_url + path, dbody), stream=True)
+            client.send(self._signed(client, d_url + path, dbody), stream=True)
         )
-        ptask = asyncio.create_task(self._prefill(p_url + path, pbody))
+        ptask = asyncio.create_task(self._prefill(client, p_url + path, pbody))
         dresp: httpx.Response | None = None
         try:
             dresp = await self._race(dtask, ptask, rid)
@@ -228,25 +292,25 @@ class Router:
                 ptask.cancel()
             raise
         asyncio.create_task(self._drain(ptask, rid))
-        relay = Relay(self, first, lines, dresp, rid)
+        relay = Relay(self, first, lines, dresp, rid, lane)
         # The background task runs even when the client left before the stream started, when the
         # generator's own cleanup never runs: it closes decode's response, which aborts the request.
         return StreamingResponse(
             relay.events(), media_type="text/event-stream", background=BackgroundTask(relay.close)
         )
 
-    def _signed(self, url: str, body: dict) -> httpx.Request:
+    def _signed(self, client: httpx.AsyncClient, url: str, body: dict) -> httpx.Request:
         """A POST of `body` whose PD fields the server will take: signed with the PD secret."""
         data = json.dumps(body).encode()
         headers = {
             "Content-Type": "application/json",
             PD_AUTH_HEADER: request_token(self.cfg.pd_secret, data),
         }
-        return self.client.build_request("POST", url, content=data, headers=headers)
+        return client.build_request("POST", url, content=data, headers=headers)
 
-    async def _prefill(self, url: str, body: dict) -> None:
+    async def _prefill(self, client: httpx.AsyncClient, url: str, body: dict) -> None:
         try:
-            r = await self.client.send(self._signed(url, body))
+            r = await client.send(self._signed(client, url, body))
         except httpx.HTTPError as e:
             raise RouteError(
                 502, f"prefill server failed: {type(e).__name__}: {e}", "prefill_unreachable"
@@ -296,23 +360,20 @@ class Router:
         except asyncio.CancelledError:
             pass
 
-    async def health(self) -> tuple[bool, dict]:
-        status = {}
-        for url in self.cfg.prefill + self.cfg.decode:
-            try:
-                status[url] = (
-                    await self.client.get(url + "/health", timeout=self.cfg.connect_timeout_s)
-                ).status_code == 200
-            except httpx.HTTPError:
-                status[url] = False
-        return all(status.values()), status
+    def not_ready(self) -> list[str]:
+        """Why the router cannot serve now ([]: it can), from what it keeps."""
+        why = [] if self.cfg.pd_secret else ["the router has no PD secret (--pd-secret)"]
+        return why + self.probe.not_ready()
 
 
 class Relay:
     """Decode's SSE stream, relayed to the client; a broken decode stream becomes an error event."""
 
-    def __init__(self, router: Router, first: str, lines, dresp: httpx.Response, rid: str) -> None:
+    def __init__(
+        self, router: Router, first: str, lines, dresp: httpx.Response, rid: str, lane: int
+    ) -> None:
         self.router, self.first, self.lines, self.dresp, self.rid = router, first, lines, dresp, rid
+        self.lane = lane
         self.ended = False  # decode's stream reached its end (or broke): the client saw it all
         self.broken = False  # decode's stream broke (the client got an error event)
         self.closed = False
@@ -348,6 +409,7 @@ class Relay:
             log.info("client disconnected, aborting rid=%s", self.rid)
         outcome = "error" if self.broken else "ok" if self.ended else "client_disconnected"
         self.router.requests.labels(outcome=outcome).inc()
+        self.router.release(self.lane)
         await self.dresp.aclose()
 
 
@@ -357,10 +419,12 @@ def create_router_app(cfg: RouterConfig, on_ready=None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        router.probe.start()
         if on_ready is not None:
             on_ready()
         yield
-        await router.client.aclose()
+        await router.probe.close()
+        await router.lanes.aclose()
 
     app = FastAPI(title="kvrelay router", lifespan=lifespan)
     app.state.router = router
@@ -378,10 +442,18 @@ def create_router_app(cfg: RouterConfig, on_ready=None) -> FastAPI:
             "is answered 503, the servers would refuse it"
         )
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
-        ok, status = await router.health()
-        return JSONResponse({"healthy": ok, "servers": status}, status_code=200 if ok else 503)
+        """Liveness: the router answers. Its servers' last probe is shown, not waited for."""
+        return JSONResponse({"status": "alive", "servers": router.probe.snapshot()})
+
+    @app.api_route("/ready", methods=["GET", "HEAD"])
+    async def ready():
+        """Readiness: the router can route (secret set, a prefill and a decode server ready)."""
+        why = router.not_ready()
+        if why:
+            return RouteError(503, "; ".join(why), "not_ready").response()
+        return JSONResponse({"status": "ready", "servers": router.probe.snapshot()})
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():

@@ -27,6 +27,10 @@ from kvrelay.engine.messages import (
 
 log = logging.getLogger("kvrelay.engine")
 
+# The loop sends something at least this often (a step's outputs, or an empty heartbeat when
+# idle): an API process that hears nothing for much longer than a step knows the loop is stuck.
+HEARTBEAT_S = 1.0
+
 
 def setup_logging() -> None:
     logging.basicConfig(
@@ -115,7 +119,7 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str) -> None:
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     idle_ms = 1000 if engine.agent is None else 5  # PD: transfer events arrive on other threads
-    last_stats, next_idle_stats = None, 0.0
+    last_stats, next_idle_stats, last_sent = None, 0.0, time.monotonic()
     while True:
         engine.poll_transfers()
         timeout = 0 if engine.has_work else idle_ms
@@ -147,7 +151,7 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str) -> None:
                 _add_pd_stats(out.stats, engine.agent)
             if out.outputs or out.stats:
                 outbox.send(enc.encode(out))
-                last_stats = out.stats
+                last_stats, last_sent = out.stats, time.monotonic()
         elif engine.agent is not None and time.monotonic() >= next_idle_stats:
             # Transfer state also changes between steps (a reservation expires, a peer is dropped):
             # while idle, refresh the API's gauges when anything changed.
@@ -155,4 +159,7 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str) -> None:
             stats = _add_pd_stats(engine.stats(), engine.agent)
             if stats != last_stats or stats.pd_timings:  # timings are handed over once
                 outbox.send(enc.encode(StepOutputs([], stats)))
-                last_stats = stats
+                last_stats, last_sent = stats, time.monotonic()
+        if time.monotonic() - last_sent >= HEARTBEAT_S:  # idle: the API hears the loop turn
+            outbox.send(enc.encode(StepOutputs([], None)))
+            last_sent = time.monotonic()

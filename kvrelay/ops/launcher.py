@@ -1,9 +1,14 @@
 """`kvrelay up`: start router + prefill + decode on one machine, health-gate, supervise, restart.
 
-Each child runs in its own process group with its own log file. Readiness is gated on `/health`
-(servers first, then the router). A child that exits unexpectedly is restarted on its same ports,
-and so is a server whose `/health` keeps failing after it was healthy (its engine died, or every
-step fails): that server alone, or the whole stack (KVRELAY_UP_RESTART_SCOPE). Restarts back off;
+Each child runs in its own process group with its own log file. Start-up is gated on `/ready`
+(servers first, then the router). Supervision probes liveness, `/health`, which a busy child
+still answers 200: a child that exits unexpectedly is restarted on its same ports; so is one whose
+`/health` answers 503 for KVRELAY_UP_UNHEALTHY_S after it was healthy (its engine died, every step
+fails, or its loop is stalled far past its own longest step: the server applies that deadline),
+and one that gives no answer at all for KVRELAY_UP_UNRESPONSIVE_S (a hung process; a loaded one
+answers late, not never): that child alone, or the whole stack (KVRELAY_UP_RESTART_SCOPE).
+Readiness (`/ready` 503: busy, stalled briefly, no server behind the router) never restarts
+anything. Restarts back off;
 a child that needs more than KVRELAY_UP_MAX_RESTARTS within KVRELAY_UP_RESTART_WINDOW_S stops the
 stack (exit 1) with a log line saying so. SIGHUP co-restarts the whole stack; SIGINT/SIGTERM stops
 it (router first) and returns 0.
@@ -75,6 +80,7 @@ class LaunchConfig:
     stop_timeout_s: float = 20.0
     max_backoff_s: float = 30.0
     unhealthy_s: float = field(default_factory=lambda: float(env("KVRELAY_UP_UNHEALTHY_S")))
+    unresponsive_s: float = field(default_factory=lambda: float(env("KVRELAY_UP_UNRESPONSIVE_S")))
     max_restarts: int = field(default_factory=lambda: int(env("KVRELAY_UP_MAX_RESTARTS")))
     restart_window_s: float = field(
         default_factory=lambda: float(env("KVRELAY_UP_RESTART_WINDOW_S"))
@@ -263,13 +269,13 @@ class Launcher:
         except (ProcessLookupError, PermissionError):
             pass
 
-    def _is_healthy(self, c: Child) -> bool:
-        return self._probe(c)[0]
+    def _is_ready(self, c: Child) -> bool:
+        return self._probe(c, "/ready")[0]
 
-    def _probe(self, c: Child) -> tuple[bool, bool, str]:
-        """(healthy, answered at all, the cause a 503 names)."""
+    def _probe(self, c: Child, path: str = "/health") -> tuple[bool, bool, str]:
+        """(200, answered at all, the cause a 503 names)."""
         try:
-            r = self._http.get(c.spec.url + "/health")
+            r = self._http.get(c.spec.url + path)
         except httpx.HTTPError as e:
             return False, False, f"no answer: {type(e).__name__}"
         if r.status_code == 200:
@@ -294,9 +300,9 @@ class Launcher:
                         f"{c.name} exited with code {c.proc.returncode} before it was healthy; "
                         f"see {c.spec.log_path}"
                     )
-                if self._is_healthy(c):
+                if self._is_ready(c):
                     c.healthy, c.last_ok = True, time.monotonic()
-                    log.info("child=%s healthy pid=%d", c.name, c.proc.pid)
+                    log.info("child=%s ready pid=%d", c.name, c.proc.pid)
             if time.monotonic() > deadline:
                 late = [c.name for c in group if not c.healthy]
                 raise LaunchError(f"not healthy within {self.cfg.health_timeout_s}s: {late}")
@@ -349,10 +355,10 @@ class Launcher:
                 self._spawn(c)
 
     def _check(self, c: Child, now: float) -> None:
-        """Probe /health. A server that was healthy and has failed it for unhealthy_s is
-        restarted (its engine died or every step fails: it serves nothing); so is a restarted
-        one that never became healthy. The router's 503 means a server is down, not the router:
-        only a router that does not answer at all is restarted."""
+        """Probe liveness (/health). A child that was healthy is restarted once it has answered
+        503 for unhealthy_s (its engine died, every step fails, its loop is stalled past its own
+        deadline: it serves nothing), or has not answered at all for unresponsive_s; so is a
+        restarted one that never became healthy. A slow answer is not a failure."""
         c.next_probe = now + PROBE_S
         ok, answered, cause = self._probe(c)
         if ok:
@@ -360,9 +366,10 @@ class Launcher:
                 log.info("child=%s healthy pid=%d restarts=%d", c.name, c.proc.pid, c.restarts)
             c.healthy, c.last_ok = True, now
             return
-        if c.name == "router" and answered:
-            return
-        if c.healthy and now - c.last_ok >= self.cfg.unhealthy_s:
+        if c.healthy and answered:
+            log.warning("child=%s not alive cause=%s", c.name, json.dumps(cause))
+        deadline = self.cfg.unhealthy_s if answered else self.cfg.unresponsive_s
+        if c.healthy and now - c.last_ok >= deadline:
             self._failed(c, f"unhealthy_s={now - c.last_ok:.1f} cause={json.dumps(cause)}", now)
         elif not c.healthy and now - c.started_at > self.cfg.health_timeout_s:
             self._failed(c, f"not healthy within {self.cfg.health_timeout_s:g}s", now)

@@ -139,12 +139,23 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
 
     install_error_handlers(app, count_error)
 
-    @app.get("/health", response_class=PlainTextResponse)
+    @app.api_route("/health", methods=["GET", "HEAD"], response_class=PlainTextResponse)
     async def health():
+        """Liveness: the engine runs and its loop turns (a busy engine is alive)."""
         reason = state.client.unhealthy_reason()
         if reason is not None:
             raise unavailable(reason)
         return PlainTextResponse("ok")
+
+    @app.api_route("/ready", methods=["GET", "HEAD"], response_class=PlainTextResponse)
+    async def ready():
+        """Readiness: this server can serve what its role asks (a router routes to it)."""
+        reason = state.client.not_ready_reason()
+        if reason is None and cfg.engine.role != "single" and not pd_secret:
+            reason = f"a {cfg.engine.role} server without a PD secret (--pd-secret) serves nothing"
+        if reason is not None:
+            raise unavailable(reason)
+        return PlainTextResponse("ready")
 
     @app.get("/health_generate", response_class=PlainTextResponse)
     async def health_generate():

@@ -2,7 +2,11 @@
 
 A watchdog notices an engine that died: every waiting request gets an error at once, and the
 server reports itself unhealthy (503) instead of hanging. So does an engine whose steps keep
-failing (a sticky device error): its process lives, but it serves nothing.
+failing (a sticky device error): its process lives, but it serves nothing. The engine loop sends
+something at least every second (its steps, or a heartbeat); a loop silent for far longer than
+its own longest recent step is stuck (a hung kernel, a stopped process): first not ready
+(KVRELAY_READY_STALL_S), then not alive (KVRELAY_ENGINE_STALL_S), each at least that many times
+the longest recent step, so that a slow or busy engine is never taken for a dead one.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import logging
 import multiprocessing as mp
 import shutil
 import tempfile
+import time
+from collections import deque
 
 import msgspec
 import zmq
@@ -65,6 +71,10 @@ class EngineClient:
         self.on_step = None  # callback(StepOutputs), set by the API for metrics
         self._tasks: list[asyncio.Task] = []
         self.max_failed_steps = int(env("KVRELAY_HEALTH_MAX_FAILED_STEPS"))
+        self.ready_stall_s = float(env("KVRELAY_READY_STALL_S"))
+        self.alive_stall_s = float(env("KVRELAY_ENGINE_STALL_S"))
+        self.last_heard = time.monotonic()  # the last message from the engine loop
+        self.recent_step_s: deque[float] = deque(maxlen=256)  # batch steps only
 
     @property
     def healthy(self) -> bool:
@@ -81,7 +91,25 @@ class EngineClient:
         failed = self.stats.failed_steps if self.stats is not None else 0
         if self.max_failed_steps > 0 and failed >= self.max_failed_steps:
             return f"engine steps failing: the last {failed} in a row failed"
-        return None
+        return self._stalled(self.alive_stall_s, 50)
+
+    def not_ready_reason(self) -> str | None:
+        """Why this server should get no new requests now (None: it should), also cheap."""
+        return self.unhealthy_reason() or self._stalled(self.ready_stall_s, 10)
+
+    def _stalled(self, floor_s: float, steps: int) -> str | None:
+        """The loop is silent past max(floor_s, `steps` x its longest recent step); 0: never."""
+        if floor_s <= 0:
+            return None
+        longest = max(self.recent_step_s, default=0.0)
+        deadline = max(floor_s, steps * longest)
+        silent = time.monotonic() - self.last_heard
+        if silent <= deadline:
+            return None
+        return (
+            f"engine loop stalled: silent for {silent:.1f}s (deadline {deadline:.1f}s: "
+            f"max({floor_s:g}s, {steps} x its longest recent step {longest * 1e3:.0f} ms))"
+        )
 
     async def start(self, timeout_s: float) -> EngineReady:
         self.proc.start()
@@ -100,16 +128,22 @@ class EngineClient:
                     raise EngineDead(f"engine failed to start: {msg.message}")
                 if isinstance(msg, EngineReady):
                     self.ready = msg
+                    self.last_heard = time.monotonic()
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
         return self.ready
 
     async def _read(self) -> None:
         while True:
             msg = self._dec.decode(await self._from.recv())
+            self.last_heard = time.monotonic()
             if not isinstance(msg, StepOutputs):
+                continue
+            if msg.stats is None and not msg.outputs:  # a heartbeat of an idle loop
                 continue
             if msg.stats is not None:
                 self.stats = msg.stats
+                if msg.stats.batch_size:
+                    self.recent_step_s.append(msg.stats.step_ms / 1e3)
             if self.on_step is not None:
                 self.on_step(msg)
             for out in msg.outputs:

@@ -59,8 +59,9 @@ def _error(r: httpx.Response, status: int, code: str) -> None:
     assert r.json()["error"]["code"] == code, r.text
 
 
-def test_health_and_metrics_stay_open(router):
-    assert httpx.get(router.url + "/health").status_code == 503  # open, but no servers
+def test_health_ready_and_metrics_stay_open(router):
+    assert httpx.get(router.url + "/health").status_code == 200  # alive, with no server behind
+    _error(httpx.get(router.url + "/ready"), 503, "not_ready")  # open too, and not ready
     assert httpx.get(router.url + "/metrics").status_code == 200
 
 
@@ -103,6 +104,9 @@ def test_a_router_without_a_pd_secret_refuses_to_route():
     try:
         body = {"model": "m", "prompt": "hi", "max_tokens": 1}
         _error(httpx.post(r.url + "/v1/completions", json=body), 503, "pd_secret_missing")
+        ready = httpx.get(r.url + "/ready")
+        _error(ready, 503, "not_ready")
+        assert "no PD secret" in ready.json()["error"]["message"], ready.text
     finally:
         r.close()
 

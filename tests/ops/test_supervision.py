@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import httpx
 from conftest import ServerProcess
 from test_launcher import _fake_up
+
+from kvrelay.ops.procs import engine_pid
 
 
 def test_health_turns_503_once_steps_keep_failing():
@@ -67,3 +70,48 @@ def test_restart_scope_stack_co_restarts_all_on_a_server_death(tmp_path, monkeyp
     finally:
         if up.proc.poll() is None:
             up.proc.kill()
+
+
+def test_a_stopped_engine_turns_not_ready_then_not_alive_and_back(monkeypatch):
+    """An engine loop that stops turning (SIGSTOP: a hung kernel looks the same from outside) is
+    no longer hidden behind cached stats: /ready turns 503 past KVRELAY_READY_STALL_S, /health past
+    KVRELAY_ENGINE_STALL_S, each naming the stall; both answer 200 again once it runs. A busy or
+    idle engine is never taken for one: it heartbeats every second."""
+    monkeypatch.setenv("KVRELAY_READY_STALL_S", "2")
+    monkeypatch.setenv("KVRELAY_ENGINE_STALL_S", "4")
+    s = ServerProcess("--model", "smollm2", "--max-total-tokens", "4096")
+    engine = engine_pid(s.proc.pid)
+    try:
+        time.sleep(3)  # idle past the ready deadline: heartbeats keep it ready
+        assert httpx.get(s.url + "/ready", timeout=5).status_code == 200
+        os.kill(engine, signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            ready = _first_503(s.url + "/ready", t0, 10)
+            alive = _first_503(s.url + "/health", t0, 10)
+        finally:
+            os.kill(engine, signal.SIGCONT)
+        # Deadlines count from the last heartbeat, up to 1 s before the stop.
+        assert 0.9 < ready[0] < alive[0] < 8, (ready, alive)
+        assert "engine loop stalled" in ready[1] and "engine loop stalled" in alive[1], alive
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            h, r = httpx.get(s.url + "/health", timeout=5), httpx.get(s.url + "/ready", timeout=5)
+            if h.status_code == r.status_code == 200:
+                break
+            time.sleep(0.2)
+        assert h.status_code == r.status_code == 200, (h.text, r.text)
+        body = {"model": "smollm2", "prompt": "Hello", "max_tokens": 2}
+        assert httpx.post(s.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    finally:
+        s.close()
+
+
+def _first_503(url: str, t0: float, within_s: float) -> tuple[float, str]:
+    """Seconds since t0 until `url` first answers 503, and the cause it names."""
+    while time.monotonic() - t0 < within_s:
+        r = httpx.get(url, timeout=5)
+        if r.status_code == 503:
+            return time.monotonic() - t0, r.json()["error"]["message"]
+        time.sleep(0.1)
+    raise AssertionError(f"{url} never answered 503 within {within_s}s")
