@@ -1,19 +1,25 @@
 """Shared fixtures: a real `kvrelay serve` subprocess, one torch thread for modules of tiny ops,
-and the gpu marker's skip rule."""
+and the GPU tiers: the gpu marker's skip rule, `-m gpu` as the quick tier (gpu_full: the
+exhaustive sweeps), `tiered` to split a parametrized GPU test between the two."""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from kvrelay.ops.procs import engine_pid
+
+REPO = Path(__file__).resolve().parents[1]
+GPU_FULL = pytest.mark.gpu_full
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -30,6 +36,15 @@ def kvrelay_cache_dir(tmp_path_factory):
         os.environ["KVRELAY_CACHE_DIR"] = before
 
 
+def pytest_configure(config):
+    """`pytest -m gpu` is the quick GPU tier: a -m expression that names `gpu` but not `gpu_full`
+    also leaves out the gpu_full cases (every tile config, shape and dtype combination of the
+    kernel sweeps), which `pytest -m gpu_full` runs. Without -m both tiers are collected."""
+    expr = config.option.markexpr
+    if re.search(r"\bgpu\b", expr) and not re.search(r"\bgpu_full\b", expr):
+        config.option.markexpr = f"({expr}) and not gpu_full"
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
@@ -37,8 +52,49 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords or "gpu_full" in item.keywords:
             item.add_marker(skip)
+
+
+def tiered(names: str, values, quick, ids=None):
+    """`pytest.mark.parametrize(names, values)` split between the GPU tiers: the values (or ids)
+    listed in `quick` run in the quick tier (`pytest -m gpu`); every other value is marked
+    gpu_full, the exhaustive sweep that `pytest -m gpu_full` runs. `ids`: a list or a function
+    of a value. Each entry of `quick` must name one of the values."""
+    values = list(values)
+    multi = "," in names
+    if callable(ids):
+        ids = [ids(v) for v in values]
+    found = [False] * len(quick)
+    params = []
+    for i, v in enumerate(values):
+        key = None if ids is None else ids[i]
+        hits = [j for j, q in enumerate(quick) if q == v or (key is not None and q == key)]
+        for j in hits:
+            found[j] = True
+        marks = () if hits else (GPU_FULL,)
+        params.append(pytest.param(*(v if multi else (v,)), marks=marks, id=key))
+    missing = [q for q, f in zip(quick, found, strict=True) if not f]
+    assert not missing, f"quick-tier cases {missing} are not among the values of {names}"
+    return pytest.mark.parametrize(names, params)
+
+
+def smollm2_tokenizer_args() -> tuple[str, ...] | None:
+    """Server arguments that give a dummy dense model (smollm2-135m) SmolLM2's tokenizer where
+    the 98 MB GGUF does not travel (the GPU machine): `--tokenizer DIR` with DIR
+    $KVRELAY_TEST_TOKENIZER or .whl/tokenizer-smollm2 (scripts/gpu_wheels.sh saves it); () where
+    neither is there but the embedded GGUF is installed (a dummy model borrows its tokenizer);
+    None where there is no SmolLM2 tokenizer at all."""
+    from kvrelay.weights.loader import embedded_gguf
+
+    for d in (os.environ.get("KVRELAY_TEST_TOKENIZER"), REPO / ".whl" / "tokenizer-smollm2"):
+        if d and (Path(d) / "tokenizer.json").is_file():
+            return ("--tokenizer", str(d))
+    try:
+        embedded_gguf()
+    except FileNotFoundError:
+        return None
+    return ()
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,8 @@
 """DeepSeek-V4's fast path on the GPU (batched forward, Triton kernels, decode CUDA graphs)
 against the per-sequence torch reference path, in float32: the same greedy tokens on 8 prompts
-x 64 tokens, logprobs within 1e-4; graph replay equals the same kernels run eagerly."""
+x 64 tokens, logprobs within 1e-4; graph replay equals the same kernels run eagerly. Dense
+experts' fast path against the reference path is in the quick tier through
+test_dsv4_prefix_gpu.py (cache off and on), so [dense] here is gpu_full."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import tiered
 
 from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvrelay.engine.engine import Engine, generate
@@ -55,7 +58,7 @@ def _same(a, b, tol: float = 1e-4) -> None:
     assert delta < tol
 
 
-@pytest.mark.parametrize("expert_format", ["dense", "nvfp4"])
+@tiered("expert_format", ["dense", "nvfp4"], quick=["nvfp4"])
 def test_fast_path_equals_reference_path(expert_format: str) -> None:
     ref = _engine("reference", expert_format=expert_format)
     want = _run(ref)

@@ -1,10 +1,19 @@
 """The compiled glue of the DeepSeek-V4 fast path (`fusion.fusable`) against its eager torch code,
-on fresh random inputs on the GPU, at the shapes the model calls it with (T = 1 and varlen T)."""
+on fresh random inputs on the GPU, at the shapes the model calls it with (T = 1 and varlen T).
+
+Quick tier (`pytest -m gpu`): RoPE, the QAT rounding, the mHC glue and hashed routing once in
+bf16 (where the compiled code must keep the eager bf16 roundings) at a varlen T; all the glue runs
+compiled in fp32 in the quick tier's fast-path engine tests (test_dsv4_fast_gpu.py, against the
+eager reference path). gpu_full (`pytest -m gpu_full`): every dtype x T x flag, bias routing and
+the shared expert's glue."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+from conftest import tiered
 
 from kvrelay.models.deepseek_v4.fusion import fused_glue
 from kvrelay.models.deepseek_v4.mhc import _stream_mix, collapse, merge_streams
@@ -12,12 +21,19 @@ from kvrelay.models.deepseek_v4.moe import add_wide, route, swiglu_down_input
 from kvrelay.models.deepseek_v4.qat import rope_round_fp8
 from kvrelay.models.deepseek_v4.rope import apply_rope, rope_inv_freq
 
-pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 DTYPES = (torch.float32, torch.bfloat16)
 TOKENS = (1, 5, 64)
+BF16 = torch.bfloat16
+
+
+def _id(case) -> str:
+    case = case if isinstance(case, tuple) else (case,)
+    return "-".join(str(v)[6:] if isinstance(v, torch.dtype) else str(v) for v in case)
 
 
 def both(fn, *args):
@@ -48,9 +64,12 @@ def cos_sin(n: int, dim: int = 64):
     return angles.cos(), angles.sin()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", TOKENS)
-@pytest.mark.parametrize("inverse", (False, True))
+@tiered(
+    "dtype,n,inverse",
+    list(itertools.product(DTYPES, TOKENS, (False, True))),
+    quick=[(BF16, 5, False)],
+    ids=_id,
+)
 def test_rope(dtype, n, inverse):
     q = torch.randn(n, 8, 512, device="cuda", dtype=dtype)
     c, s = cos_sin(n)
@@ -60,9 +79,12 @@ def test_rope(dtype, n, inverse):
     close(eager, fused, dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", TOKENS)
-@pytest.mark.parametrize("qat", (False, True))
+@tiered(
+    "dtype,n,qat",
+    list(itertools.product(DTYPES, TOKENS, (False, True))),
+    quick=[(BF16, 5, True)],
+    ids=_id,
+)
 def test_rope_round_fp8(dtype, n, qat):
     kv = torch.randn(n, 512, device="cuda", dtype=dtype) * 3
     c, s = cos_sin(n)
@@ -72,7 +94,7 @@ def test_rope_round_fp8(dtype, n, qat):
     close(eager[:, 448:], fused[:, 448:], dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@tiered("dtype", DTYPES, quick=[BF16], ids=_id)
 def test_qat_scales_at_powers_of_two(dtype):
     """Blocks whose amax / qmax is exactly a power of two: the compiled scale must not round
     up a step (approximate division or log2 would)."""
@@ -83,8 +105,7 @@ def test_qat_scales_at_powers_of_two(dtype):
     assert torch.equal(eager[:, :64], fused[:, :64])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", TOKENS)
+@tiered("dtype,n", list(itertools.product(DTYPES, TOKENS)), quick=[(BF16, 5)], ids=_id)
 def test_hyper_connection_glue(dtype, n):
     streams = torch.randn(n, 4, 1024, device="cuda", dtype=dtype)
     fn = torch.randn(24, 4 * 1024, device="cuda") * 0.01
@@ -96,8 +117,12 @@ def test_hyper_connection_glue(dtype, n):
     close(*both(merge_streams, out, streams, post, comb), dtype)
 
 
-@pytest.mark.parametrize("n", TOKENS)
-@pytest.mark.parametrize("hashed", (False, True))
+@tiered(
+    "n,hashed",
+    list(itertools.product(TOKENS, (False, True))),
+    quick=[(5, True)],
+    ids=_id,
+)
 def test_route(n, hashed):
     logits = torch.randn(n, 256, device="cuda")
     ids = torch.randint(0, 256, (n, 6), device="cuda") if hashed else None
@@ -107,8 +132,8 @@ def test_route(n, hashed):
     close(w0, w1, torch.float32)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", TOKENS)
+@pytest.mark.gpu_full
+@pytest.mark.parametrize("dtype,n", list(itertools.product(DTYPES, TOKENS)), ids=_id)
 def test_shared_expert_glue(dtype, n):
     gate, up = (torch.randn(n, 2048, device="cuda", dtype=dtype) * 4 for _ in range(2))
     close(*both(swiglu_down_input, gate, up, 10.0), dtype)

@@ -1,6 +1,8 @@
 """DeepSeek-V4 through the engine on the GPU (torch reference path): the paged caches and state
 slots give the full-sequence forward's logits there too, dense and NVFP4 experts, and the GPU
-agrees with the CPU."""
+agrees with the CPU. Quick tier: [dense]; NVFP4 experts on the GPU are in the quick tier through
+test_dsv4_fast_gpu.py (fast path == reference path), so [nvfp4] and the CPU comparison are
+gpu_full."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import tiered
 
 from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvrelay.engine.engine import Engine, generate
@@ -37,7 +40,7 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 40, 150, 300)]
 
 
-@pytest.mark.parametrize("expert_format", ["dense", "nvfp4"])
+@tiered("expert_format", ["dense", "nvfp4"], quick=["dense"])
 def test_engine_on_gpu_equals_full_forward(expert_format: str) -> None:
     eng = _engine("cuda", expert_format)
     p = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -60,6 +63,7 @@ def test_engine_on_gpu_equals_full_forward(expert_format: str) -> None:
     eng.check_idle_integrity()
 
 
+@pytest.mark.gpu_full
 def test_gpu_matches_cpu_logprobs() -> None:
     p = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
     gpu, cpu = _engine("cuda", chunk=64), _engine("cpu", chunk=64)

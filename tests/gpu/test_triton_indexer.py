@@ -10,12 +10,20 @@ Inputs come in four kinds (fresh random draws every check; the seed is in each m
   sets may differ by entries within rounding of the K-th score (checked), and the selection
   run on the kernel's own scores must equal the reference rule exactly.
 - "zeros": gaussian with q >= 0 and 80% of the keys <= 0 (exact 0.0 ties among floats).
+
+Quick tier (`pytest -m gpu`): each key dtype once (bf16, fp32, fp8 keys with bf16 and fp32 q) at
+small shapes, the DeepSeek-V4 shapes (decode at N=4096, a 2048-token prefill at N=16384) with bf16
+index keys (the default) and fp8, the crafted selection and graph replay. gpu_full
+(`pytest -m gpu_full`): every other shape x key dtype x input kind, and the alternative configs.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+from conftest import tiered
 
 from kvrelay.kernels import triton_indexer as ti
 from kvrelay.kernels.indexer_reference import (
@@ -180,9 +188,16 @@ SMALL = {  # name: (n_entries, tokens, h, d, topk)
 MODES = ("exact", "exact_zeros", "zeros", "float")
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("keys", ["bf16", "fp32", "fp8-bf16", "fp8-fp32"])
-@pytest.mark.parametrize("shape", sorted(SMALL))
+@tiered(
+    "shape,keys,mode",
+    list(itertools.product(sorted(SMALL), ["bf16", "fp32", "fp8-bf16", "fp8-fp32"], MODES)),
+    quick=[
+        ("h16_d64", "bf16", "exact"),
+        ("tiny", "fp8-fp32", "float"),
+        ("h12_topk_gt_n", "fp32", "zeros"),
+    ],
+    ids="-".join,
+)
 def test_small_shapes(shape, keys, mode):
     n_entries, tokens, h, d, topk = SMALL[shape]
     dtype = torch.float32 if keys.endswith("fp32") else torch.bfloat16
@@ -191,9 +206,12 @@ def test_small_shapes(shape, keys, mode):
     _check(x, topk, mode, f"{shape}/{keys}/{mode} seed={seed}")
 
 
-@pytest.mark.parametrize("mode", ["exact_zeros", "float"])
-@pytest.mark.parametrize("keys", ["bf16", "fp8-bf16"])
-@pytest.mark.parametrize("t_count", [1, 64, 256])
+@tiered(
+    "t_count,keys,mode",
+    list(itertools.product([1, 64, 256], ["bf16", "fp8-bf16"], ["exact_zeros", "float"])),
+    quick=[(64, "bf16", "exact_zeros"), (1, "fp8-bf16", "float")],
+    ids=lambda c: f"T{c[0]}-{c[1]}-{c[2]}",
+)
 def test_real_shape_decode_n4096(t_count, keys, mode):
     """h=64, d=128, topk=512, N=4096: T decode tokens, each its own sequence (varlen)."""
     seed = _seed()
@@ -205,6 +223,7 @@ def test_real_shape_decode_n4096(t_count, keys, mode):
     _check(x, 512, mode, f"T={t_count}/{keys}/{mode} seed={seed}")
 
 
+@pytest.mark.gpu_full  # fp32 keys in the quick tier: test_small_shapes
 @pytest.mark.parametrize("mode", ["exact", "float"])
 def test_real_shape_fp32(mode):
     seed = _seed()
@@ -212,8 +231,12 @@ def test_real_shape_fp32(mode):
     _check(x, 512, mode, f"fp32/{mode} seed={seed}")
 
 
-@pytest.mark.parametrize("mode", ["exact_zeros", "float"])
-@pytest.mark.parametrize("keys", ["bf16", "fp8-bf16"])
+@tiered(
+    "keys,mode",
+    list(itertools.product(["bf16", "fp8-bf16"], ["exact_zeros", "float"])),
+    quick=[],  # N=16384 in the quick tier: test_real_shape_prefill_t2048
+    ids="-".join,
+)
 def test_real_shape_decode_n16384(keys, mode):
     seed = _seed()
     n_entries = [16384, 16000, 9000, 511, 512, 1] + [16384] * 58
@@ -222,8 +245,12 @@ def test_real_shape_decode_n16384(keys, mode):
     _check(x, 512, mode, f"N=16384/{keys}/{mode} seed={seed}")
 
 
-@pytest.mark.parametrize("mode", ["exact_zeros", "float"])
-@pytest.mark.parametrize("keys", ["bf16", "fp8-bf16"])
+@tiered(
+    "keys,mode",
+    list(itertools.product(["bf16", "fp8-bf16"], ["exact_zeros", "float"])),
+    quick=[("bf16", "exact_zeros")],
+    ids="-".join,
+)
 def test_real_shape_prefill_t2048(keys, mode):
     """A varlen prefill batch of 2048 tokens, causal n_visible: the tail of a 64k-token context
     (N = 16384 entries), a fresh 2000-token prompt, and decode tokens of 32 sequences."""
@@ -284,6 +311,7 @@ SELECT_CONFIGS = [
 ]
 
 
+@pytest.mark.gpu_full
 @pytest.mark.parametrize("keys", ["bf16", "fp8-bf16"])
 def test_other_configs_same_result(keys):
     """The configs benchmarks/indexer_kernel.py --sweep may pick: exact inputs give the same
@@ -302,8 +330,12 @@ def test_other_configs_same_result(keys):
         assert bool(_same_sets(out, ref).all()), f"{cfg} seed={seed}"
 
 
-@pytest.mark.parametrize("select", ["triton", "torch"])
-@pytest.mark.parametrize("keys", ["bf16", "fp8-bf16"])
+@tiered(
+    "keys,select",
+    list(itertools.product(["bf16", "fp8-bf16"], ["triton", "torch"])),
+    quick=[("bf16", "triton")],
+    ids="-".join,
+)
 def test_cuda_graph_replay(keys, select):
     """Capture once on static buffers, then replay on new contents (new keys, rows, visible
     counts): the result follows the new inputs."""

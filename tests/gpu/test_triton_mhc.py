@@ -1,9 +1,11 @@
-"""The fused mHC gates kernel against HyperConnection.gates (torch) on fresh random inputs."""
+"""The fused mHC gates kernel against HyperConnection.gates (torch) on fresh random inputs
+(quick tier: 1 and 300 tokens; gpu_full: the others)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiered
 
 from kvrelay.kernels.triton_mhc import hc_gates
 from kvrelay.models.deepseek_v4.mhc import HyperConnection
@@ -11,7 +13,7 @@ from kvrelay.models.deepseek_v4.mhc import HyperConnection
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("t", [1, 7, 33, 300])
+@tiered("t", [1, 7, 33, 300], quick=[1, 300])
 def test_gates_equal_the_torch_reference(t: int) -> None:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     hc = HyperConnection(4, 64, 20, 1e-6, 1e-6).to(dev)

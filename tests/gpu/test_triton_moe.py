@@ -7,16 +7,24 @@ against the torch grouping, determinism, and CUDA-graph replay == eager.
 Fresh random inputs for every check, never zeros; the caching allocator's free blocks are
 filled with NaN before each run, so an intermediate row that the kernels fail to write shows up
 as NaN in the output.
+
+Quick tier (`pytest -m gpu`): the kernels at their default configs: tiny dense fp32 and NVFP4
+bf16, DeepSeek-V4-mini NVFP4 (decode and a 4096-token prefill), MXFP4 and dense bf16, the fp64
+oracle, grouping, determinism and graph replay, one case each. gpu_full (`pytest -m gpu_full`):
+every other shape x token count x routing x format x dtype, every explicit tile config (SWAP_AB,
+the fp16 route) and the MXFP4 sweep.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import zlib
 
 import pytest
 import torch
+from conftest import tiered
 
 from kvrelay.kernels.moe_grouping import group_by_expert
 from kvrelay.kernels.triton_moe import (
@@ -36,6 +44,17 @@ TINY = [(8, 64, 32, 2), (8, 160, 192, 2)]  # E, H, I, k
 MINI = (256, 4096, 2048, 6)
 TOKENS = [1, 7, 64, 300]
 ROUTINGS = ["topk", "hash", "one"]
+FORMATS = [  # (fp4, dtype, tol)
+    (False, torch.float32, 1e-5),
+    (False, torch.bfloat16, 1e-2),
+    (True, torch.bfloat16, 1e-2),
+    (True, torch.float32, 1e-5),
+]
+
+
+def _tiny_id(case) -> str:
+    fp4, dtype, _, (e, h, i, _), t, mode = case
+    return f"{'nvfp4' if fp4 else 'dense'}-{str(dtype)[6:]}-E{e}H{h}I{i}-t{t}-{mode}"
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -99,17 +118,14 @@ def _check(ex, t: int, mode: str, dtype: torch.dtype, tol: float, gen, config=No
         assert err < tol, (t, mode, dtype, err)
 
 
-@pytest.mark.parametrize("mode", ROUTINGS)
-@pytest.mark.parametrize("t", TOKENS)
-@pytest.mark.parametrize("shape", TINY)
-@pytest.mark.parametrize(
-    "fp4,dtype,tol",
+@tiered(
+    "fp4,dtype,tol,shape,t,mode",
     [
-        (False, torch.float32, 1e-5),
-        (False, torch.bfloat16, 1e-2),
-        (True, torch.bfloat16, 1e-2),
-        (True, torch.float32, 1e-5),
+        (*f, shape, t, mode)
+        for f, shape, t, mode in itertools.product(FORMATS, TINY, TOKENS, ROUTINGS)
     ],
+    quick=["dense-float32-E8H64I32-t7-hash", "nvfp4-bfloat16-E8H160I192-t300-topk"],
+    ids=_tiny_id,
 )
 def test_tiny(shape, t, mode, fp4, dtype, tol) -> None:
     gen = torch.Generator(device="cuda").manual_seed(
@@ -122,6 +138,7 @@ def test_tiny(shape, t, mode, fp4, dtype, tol) -> None:
     _check(ex, t, mode, dtype, tol, gen, rounds=1)
 
 
+@pytest.mark.gpu_full
 @pytest.mark.parametrize(
     "config",
     [
@@ -173,7 +190,7 @@ def _exact_oracle(ex: Fp4Experts, x, w, idx) -> torch.Tensor:
     return ref.forward(x.double(), w.double(), idx)
 
 
-@pytest.mark.parametrize("t", [7, 64])
+@tiered("t", [7, 64], quick=[7])
 def test_nvfp4_routes_against_an_fp64_oracle(t) -> None:
     """Both bf16 routes keep the NVFP4 weights exact (e2m1 * scale in bf16 or fp16, the global
     scale on the accumulator) where the reference rounds each weight to bf16: both are closer
@@ -196,8 +213,12 @@ def mini_fp4():
     return _experts(e, h, i, True, torch.bfloat16, torch.Generator(device="cuda").manual_seed(3))
 
 
-@pytest.mark.parametrize("mode", ROUTINGS)
-@pytest.mark.parametrize("t", [1, 7, 64, 300, 4096])
+@tiered(
+    "t,mode",
+    list(itertools.product([1, 7, 64, 300, 4096], ROUTINGS)),
+    quick=[(1, "topk"), (64, "hash"), (4096, "topk")],
+    ids=lambda c: f"t{c[0]}-{c[1]}",
+)
 def test_mini_nvfp4(mini_fp4, t, mode) -> None:
     if t == 4096 and mode != "topk":
         pytest.skip("one prefill-sized routing is enough")
@@ -205,6 +226,7 @@ def test_mini_nvfp4(mini_fp4, t, mode) -> None:
     _check(mini_fp4, t, mode, torch.bfloat16, 1e-2, gen, rounds=1 if t == 4096 else 2)
 
 
+@pytest.mark.gpu_full
 @pytest.mark.parametrize("t", [1, 64, 4096])
 def test_mini_nvfp4_fp16_route(mini_fp4, t) -> None:
     gen = torch.Generator(device="cuda").manual_seed(t * 17)
@@ -212,7 +234,7 @@ def test_mini_nvfp4_fp16_route(mini_fp4, t) -> None:
     _check(mini_fp4, t, "topk", torch.bfloat16, 1e-2, gen, cfg, rounds=1)
 
 
-@pytest.mark.parametrize("t", [1, 64, 300])
+@tiered("t", [1, 64, 300], quick=[64])
 def test_mini_dense_bf16_few_experts(t) -> None:
     # DeepSeek-V4-mini's expert shape; 16 experts' worth of dense weights is enough here
     gen = torch.Generator(device="cuda").manual_seed(t)
@@ -227,8 +249,16 @@ def test_mini_dense_bf16_few_experts(t) -> None:
         assert torch.isfinite(got).all() and _rel(got, want) < 1e-2
 
 
-@pytest.mark.parametrize("n_tokens,e,k", [(1, 8, 2), (7, 256, 6), (300, 256, 6), (1024, 8, 2)])
-@pytest.mark.parametrize("bm", [16, 32, 64])
+@tiered(
+    "n_tokens,e,k,bm",
+    [
+        (*c, bm)
+        for bm in (16, 32, 64)
+        for c in ((1, 8, 2), (7, 256, 6), (300, 256, 6), (1024, 8, 2))
+    ],
+    quick=[(7, 256, 6, 16)],  # every fused_experts call of the quick tier groups on the GPU too
+    ids=lambda c: f"T{c[0]}-E{c[1]}-k{c[2]}-bm{c[3]}",
+)
 def test_grouping_kernel_equals_torch(n_tokens, e, k, bm) -> None:
     gen = torch.Generator(device="cuda").manual_seed(n_tokens + e + bm)
     for mode in ROUTINGS:
@@ -255,8 +285,12 @@ def test_deterministic() -> None:
         assert torch.equal(fused_experts(x, w, idx, ex), first)
 
 
-@pytest.mark.parametrize("fp4", [False, True])
-@pytest.mark.parametrize("t,e,k", [(7, 8, 2), (64, 256, 6), (1100, 8, 2)])  # 1100*2: torch grouping
+@tiered(
+    "t,e,k,fp4",  # 1100*2 assignments: the torch grouping
+    [(*c, fp4) for fp4 in (False, True) for c in ((7, 8, 2), (64, 256, 6), (1100, 8, 2))],
+    quick=[(64, 256, 6, True)],
+    ids=lambda c: f"T{c[0]}-E{c[1]}-k{c[2]}-{'nvfp4' if c[3] else 'dense'}",
+)
 def test_cuda_graph_replay_equals_eager(t, e, k, fp4) -> None:
     gen = torch.Generator(device="cuda").manual_seed(t + e)
     h, i = (160, 192) if e == 8 else (512, 256)
@@ -295,6 +329,7 @@ def _mx_experts(e: int, h: int, i: int, dtype: torch.dtype, gen: torch.Generator
     return ex
 
 
+@pytest.mark.gpu_full  # the MXFP4 kernels' quick-tier case: test_mxfp4_mini_shape
 @pytest.mark.parametrize(
     "config",
     [

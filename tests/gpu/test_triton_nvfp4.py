@@ -1,10 +1,16 @@
 """The Triton NVFP4 dequantization against the torch reference, bit for bit, on fresh random
-bytes (every e2m1 code, random e4m3 scales, one global scale per matrix)."""
+bytes (every e2m1 code, random e4m3 scales, one global scale per matrix).
+
+Quick tier (`pytest -m gpu`): bf16 at an expert's shape, fp32 at a ragged one, NaN scales, bad
+shapes, experts on the GPU; gpu_full (`pytest -m gpu_full`): the other shape x dtype cases."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+from conftest import tiered
 
 from kvrelay.kernels.triton_nvfp4 import dequantize_nvfp4
 from kvrelay.models.deepseek_v4 import preset
@@ -23,9 +29,17 @@ def _random(lead: tuple[int, ...], n: int, k: int, gen: torch.Generator, nan: bo
     return packed, scale.view(torch.float8_e4m3fn), gs.reshape(lead) if lead else gs[0]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(
-    "lead,n,k", [((), 1, 16), ((3,), 64, 80), ((2,), 256, 4096), ((2, 2), 33, 2064)]
+@tiered(
+    "lead,n,k,dtype",
+    [
+        (*s, d)
+        for d, s in itertools.product(
+            (torch.bfloat16, torch.float32),
+            [((), 1, 16), ((3,), 64, 80), ((2,), 256, 4096), ((2, 2), 33, 2064)],
+        )
+    ],
+    quick=[((2,), 256, 4096, torch.bfloat16), ((2, 2), 33, 2064, torch.float32)],
+    ids=lambda c: f"{'x'.join(map(str, (*c[0], c[1], c[2])))}-{str(c[3])[6:]}",
 )
 def test_bit_identical_to_the_torch_reference(lead, n, k, dtype) -> None:
     gen = torch.Generator().manual_seed(hash((lead, n, k)) % 2**31)

@@ -1,22 +1,41 @@
-"""Triton RMSNorm (+ residual), RoPE and SiLU-and-mul against their torch references."""
+"""Triton RMSNorm (+ residual), RoPE and SiLU-and-mul against their torch references.
+
+Quick tier (`pytest -m gpu`): each kernel in bf16 and fp32 at one shape each; gpu_full
+(`pytest -m gpu_full`): every shape x dtype (x residual / weight) combination."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+from conftest import tiered
 
 from kvrelay.kernels import reference as ref
 
 pytestmark = pytest.mark.gpu
+BF16, FP32 = (torch.bfloat16, 1e-2), (torch.float32, 1e-6)  # (dtype, tol)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype)[6:]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("rows,n", [(1, 576), (37, 2048), (300, 4096), (5, 64)])
-@pytest.mark.parametrize("with_residual", [False, True])
+@tiered(
+    "dtype,tol,rows,n,with_residual",
+    [
+        (*d, *s, r)
+        for d, s, r in itertools.product(
+            (FP32, BF16), [(1, 576), (37, 2048), (300, 4096), (5, 64)], (False, True)
+        )
+    ],
+    quick=[(*BF16, 300, 4096, True), (*FP32, 5, 64, False)],
+    ids=lambda c: f"{_name(c[0])}-{c[2]}x{c[3]}{'-residual' if c[4] else ''}",
+)
 def test_rms_norm(dtype, tol, rows, n, with_residual):
     from kvrelay.kernels import triton_pointwise as tp
 
@@ -29,8 +48,15 @@ def test_rms_norm(dtype, tol, rows, n, with_residual):
     assert torch.equal(got_res, want_res)  # the residual sum is rounded exactly like x + res
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("t,h,d", [(1, 9, 64), (70, 32, 64), (513, 8, 128)])
+@tiered(
+    "dtype,tol,t,h,d",
+    [
+        (*dt, *s)
+        for dt, s in itertools.product((FP32, BF16), [(1, 9, 64), (70, 32, 64), (513, 8, 128)])
+    ],
+    quick=[(*BF16, 70, 32, 64), (*FP32, 513, 8, 128)],
+    ids=lambda c: f"{_name(c[0])}-t{c[2]}-h{c[3]}-d{c[4]}",
+)
 def test_rope_on_a_fused_qkv_view(dtype, tol, t, h, d):
     from kvrelay.kernels import triton_pointwise as tp
 
@@ -47,8 +73,12 @@ def test_rope_on_a_fused_qkv_view(dtype, tol, t, h, d):
     assert torch.equal(qkv[:, h * d :], untouched)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("rows,i", [(1, 1536), (64, 8192), (3, 100)])
+@tiered(
+    "dtype,tol,rows,i",
+    [(*dt, *s) for dt, s in itertools.product((FP32, BF16), [(1, 1536), (64, 8192), (3, 100)])],
+    quick=[(*BF16, 64, 8192), (*FP32, 3, 100)],
+    ids=lambda c: f"{_name(c[0])}-{c[2]}x{c[3]}",
+)
 def test_silu_and_mul(dtype, tol, rows, i):
     from kvrelay.kernels import triton_pointwise as tp
 
@@ -58,9 +88,18 @@ def test_silu_and_mul(dtype, tol, rows, i):
     assert _rel(out, ref.silu_and_mul(x)) < tol
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(1, 4096), (64, 1024), (3, 64, 512), (300, 160), (7, 33)])
-@pytest.mark.parametrize("weighted", [False, True])
+@tiered(
+    "dtype,shape,weighted",
+    list(
+        itertools.product(
+            (torch.float32, torch.bfloat16),
+            [(1, 4096), (64, 1024), (3, 64, 512), (300, 160), (7, 33)],
+            (False, True),
+        )
+    ),
+    quick=[(torch.bfloat16, (3, 64, 512), True), (torch.float32, (300, 160), False)],
+    ids=lambda c: f"{_name(c[0])}-{'x'.join(map(str, c[1]))}{'-weighted' if c[2] else ''}",
+)
 def test_rms_norm_wide_matches_deepseek_v4_norms(dtype, shape, weighted):
     """DeepSeek-V4's norms (weight applied in fp32, one rounding): the fused kernel against
     `RMSNorm` / `HeadNorm` in torch on fresh random inputs; bf16 outputs at most one rounding

@@ -1,5 +1,10 @@
 """The Triton sparse MQA kernel (DeepSeek-V4 attention with sinks) on the GPU against the
-float64 torch reference over the concatenated sources."""
+float64 torch reference over the concatenated sources.
+
+Quick tier (`pytest -m gpu`): the default configs at CSA decode (bf16, 64 heads x 512), the tiny
+model (fp32; bf16 without a second source), int64 indices with dominant sinks, unaligned pool
+rows, empty rows and graph replay. gpu_full (`pytest -m gpu_full`): the other shape x dtype
+cases, forced split counts, every tile config (DV_SPLIT, BLOCK_N, stages) and index-dtype mix."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import itertools
 
 import pytest
 import torch
+from conftest import tiered
 
 from kvrelay.kernels.triton_sparse_attention import sparse_mqa
 from kvrelay.models.deepseek_v4.sparse_attention import sparse_attention
@@ -102,8 +108,12 @@ def _check(out: torch.Tensor, args: tuple, scale: float, dtype: torch.dtype) -> 
     assert (out[empty] == 0).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape", SHAPES, ids=IDS)
+@tiered(
+    "shape,dtype",
+    [(shape, dtype) for dtype in (torch.float32, torch.bfloat16) for shape in SHAPES],
+    quick=["csa-decode64-bf16", "tiny-fp32", "tiny-sliding-bf16"],
+    ids=lambda c: f"{IDS[SHAPES.index(c[0])]}-{'fp32' if c[1] == torch.float32 else 'bf16'}",
+)
 def test_matches_reference(shape, dtype):
     t, h, d, ka, kb = shape
     args = _inputs(t, h, d, ka, kb, dtype)
@@ -111,6 +121,7 @@ def test_matches_reference(shape, dtype):
     _check(_run(args, scale), args, scale, dtype)
 
 
+@pytest.mark.gpu_full
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_forced_splits(num_splits, dtype):
@@ -132,6 +143,7 @@ CONFIGS = [
 CONFIG_IDS = ["dv2", "dv2-n16", "dv2-n64", "n64", "n16-st2"]
 
 
+@pytest.mark.gpu_full
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize(
     "shape", [(64, 64, 512, 128, 512), (300, 64, 512, 128, 512), (5, 4, 96, 16, 8)],
@@ -143,18 +155,20 @@ def test_tile_configs(shape, config):
     _check(_run(args, d**-0.5, config=config), args, d**-0.5, torch.bfloat16)
 
 
+@pytest.mark.gpu_full
 def test_dv_split_fp32():
     args = _inputs(6, 64, 512, 100, 300, torch.float32)
     out = _run(args, 512**-0.5, num_splits=3, config={"DV_SPLIT": 2})
     _check(out, args, 512**-0.5, torch.float32)
 
 
-@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+@tiered("idx_dtype", [torch.int32, torch.int64], quick=["i64"], ids=["i32", "i64"])
 def test_index_dtypes_and_dominant_sinks(idx_dtype):
     args = _inputs(8, 64, 512, 128, 256, torch.bfloat16, idx_dtype, big_sinks=True)
     _check(_run(args, 512**-0.5), args, 512**-0.5, torch.bfloat16)
 
 
+@pytest.mark.gpu_full
 def test_mixed_index_dtypes_and_contiguous_pools():
     q, kv_a, idx_a, kv_b, idx_b, sinks = _inputs(6, 4, 96, 16, 40, torch.float32)
     args = (q, kv_a.contiguous(), idx_a.long(), kv_b.contiguous(), idx_b.int(), sinks)
@@ -179,10 +193,11 @@ def test_all_empty_and_zero_rows():
     assert sparse_mqa(q[:0], kv_a, idx_a[:0], kv_b, idx_b[:0], sinks, 0.1).shape == (0, 4, 96)
 
 
-@pytest.mark.parametrize(
+@tiered(
     "shape,config",
     [((1, 64, 512, 128, 512), None), ((64, 64, 512, 128, 512), None),
      ((5, 4, 96, 16, None), None), ((64, 64, 512, 128, 512), {"DV_SPLIT": 2, "num_warps": 4})],
+    quick=["t1", "t64"],
     ids=["t1", "t64", "tiny-sliding", "t64-dv2"],
 )  # fmt: skip
 def test_cuda_graph_replay(shape, config):
