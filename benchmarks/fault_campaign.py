@@ -8,6 +8,16 @@ Per-request faults (test flags of the prefill server; one stack per flag):
               detect it and the request fail with a named cause
   delay       --test-delay-transfer D beyond a short --transfer-timeout: the transfer times out
   disconnect  the client closes a streamed answer after --cut-after chunks; the stack must free it
+Load faults (one stack each; no process is hurt, so the launcher must restart nothing):
+  overload    --overload-concurrency clients (past httpx's pool of 100 and past the router's
+              --max-concurrent-requests, set to --overload-limit; the servers' --max-running-
+              requests set low too, so they queue): a request past the router's limit must get
+              a clear 429/503 with Retry-After (its latency reported), every other request
+              must be correct, and the router must hold no more than its limit, nor anything
+              once idle
+  slow_peer   one server (--slow-roles: decode, prefill) sleeps --slow-step-s in every batch
+              step (--test-step-delay): requests queue, or fail with a named cause within the
+              router's --request-timeout; none hangs, none is silent, nothing is restarted
 Process faults (real signals, the launcher restarts what died), --kills of each:
   kill_prefill_server, kill_decode_server   SIGKILL the server's HTTP process (engine dies too)
   kill_prefill_engine, kill_decode_engine   SIGKILL the engine process alone
@@ -15,9 +25,10 @@ Process faults (real signals, the launcher restarts what died), --kills of each:
   restart_prefill   SIGTERM prefill: a new instance id that decode must take (not in the default)
 
     python benchmarks/fault_campaign.py --out benchmarks/results/fault_campaign_cpu.json
-Short (tests/ops/test_fault_campaign.py): --phases corrupt,disconnect --kill-kinds kill_decode_engine
+Short (tests/ops/test_fault_campaign.py): --phases corrupt,disconnect,overload --kill-kinds ''
 
-Exit 0: no silent failure, no hang, nothing held idle, every kill recovered; 1 otherwise;
+Exit 0: no silent failure, no hang, nothing held idle, every kill recovered, and no load phase
+problem (an unclear rejection, an admitted request not correct, a restart); 1 otherwise;
 2: a stack did not start.
 """
 
@@ -30,6 +41,7 @@ import os
 import platform
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,12 +50,14 @@ from pathlib import Path
 
 from fault_stack import (  # same directory
     PROMPTS,
+    GaugePeak,
     Load,
     Outcome,
     Stack,
     held_when_idle,
     oracle_tokens,
     router_counters,
+    router_gauge,
 )
 
 from kvrelay.ops.procs import engine_pid
@@ -58,6 +72,9 @@ KILLS = (
 )
 DEFAULT_KILLS = KILLS[:4]
 PER_REQUEST = ("corrupt", "disconnect", "delay")
+LOAD = ("overload", "slow_peer")
+PHASES = PER_REQUEST + LOAD
+ROUTER_LIMIT_FLAG = "--max-concurrent-requests"
 VERDICTS = ("correct", "failed_named", "failed_unnamed", "silent", "hang", "cut")
 
 
@@ -122,13 +139,16 @@ def summarize(
         "router": dict(router),  # its failed attempts by cause, retries, disconnects seen
         "held_when_idle": idle["held"],
         "idle_drain_s": idle["drain_s"],
+        "problems": [],  # a load phase's own checks that failed (verdict: each fails the run)
         **extra,
     }
 
 
-def start(args, log_dir: str, extra: list[str], result: dict) -> tuple[Stack, str] | None:
+def start(
+    args, log_dir: str, extra: list[str], result: dict, router_args: str = ""
+) -> tuple[Stack, str] | None:
     t0 = time.monotonic()
-    stack = Stack(args, log_dir, extra)
+    stack = Stack(args, log_dir, extra, router_args)
     try:
         m = stack.wait_for(r"kvrelay up ready: (http://\S+) ", args.start_timeout + 30)
     except BaseException:  # Ctrl-C while it starts: the stack must not outlive the campaign
@@ -205,6 +225,133 @@ def kill_phase(kind: str, stack: Stack, url: str, args, oracle: dict) -> dict:
     return r
 
 
+def _seconds(xs: list[float]) -> dict:
+    return {"p50": pct(xs, 0.5), "p99": pct(xs, 0.99), "max": pct(xs, 1.0)}
+
+
+def overload_phase(stack: Stack, url: str, args, oracle: dict) -> dict:
+    """--overload-concurrency clients against a router limited to --overload-limit requests in
+    flight, for --overload-s. Checked: every request past the limit is turned away clearly (429,
+    or 503 with a cause that says overloaded, and a Retry-After either way), every admitted one
+    is correct, the router held at most its limit and holds nothing once idle, nothing was
+    restarted (a router busy turning clients away is not a dead one: issue 27)."""
+    t0, r0, restarts0 = time.monotonic(), router_counters(url), stack.restarts()
+    peak = GaugePeak(url)
+    load = Load(url, args, oracle, concurrency=args.overload_concurrency)
+    while time.monotonic() - t0 < args.overload_s:
+        time.sleep(0.5)
+    outs = load.stop()
+    inflight_peak = peak.stop()
+    idle = held_when_idle(servers(stack), args.idle_timeout)
+    inflight_idle = router_gauge(url)
+    t1 = time.monotonic()
+    rejected = [o for o in outs if o.rejected]
+    unclear = [o for o in rejected if o.retry_after is None or o.http_status not in (429, 503)]
+    admitted = [o for o in outs if not o.rejected]
+    wrong = [o for o in admitted if o.verdict != "correct"]
+    restarts = stack.restarts() - restarts0
+    r = summarize(
+        "overload",
+        Counter(overloaded=len(rejected)),
+        outs,
+        idle,
+        router_counters(url) - r0,
+        wall_s=round(t1 - t0, 1),
+        limit=args.overload_limit,
+        concurrency=args.overload_concurrency,
+        rejected=len(rejected),
+        rejected_unclear=len(unclear),
+        rejection_status=dict(Counter(str(o.http_status) for o in rejected)),
+        rejection_causes=dict(Counter(o.cause for o in rejected).most_common(4)),
+        retry_after=dict(Counter(str(o.retry_after) for o in rejected).most_common(4)),
+        time_to_rejection_s=_seconds([o.end - o.start for o in rejected]),
+        admitted=len(admitted),
+        admitted_not_correct=dict(Counter(f"{o.verdict}: {o.cause}" for o in wrong).most_common(6)),
+        router_inflight_peak=inflight_peak,
+        router_inflight_idle=inflight_idle,
+        restarts=restarts,
+        launcher_events=stack.events(t0, t1),
+    )
+    problems = r["problems"]
+    if not rejected:
+        problems.append(
+            f"the limit of {args.overload_limit} was never reached: no request turned away"
+        )
+    if unclear:
+        problems.append(f"{len(unclear)} rejections without Retry-After or not 429/503")
+    if wrong:
+        problems.append(f"{len(wrong)} admitted requests not correct: {r['admitted_not_correct']}")
+    if inflight_peak is not None and inflight_peak > args.overload_limit:
+        problems.append(f"the router held {inflight_peak:g} requests, past its limit")
+    if inflight_idle:  # None: a router without the gauge; 0: nothing held
+        problems.append(f"the router holds {inflight_idle:g} requests once idle")
+    if restarts:
+        problems.append(f"{restarts} restarts under load alone: {r['launcher_events']}")
+    print(
+        f"fault_campaign: overload requests={len(outs)} rejected={len(rejected)} "
+        f"admitted={len(admitted)} correct={r['correct']} problems={problems}",
+        flush=True,
+    )
+    return r
+
+
+def slow_peer_phase(role: str, stack: Stack, url: str, args, oracle: dict) -> dict:
+    """Load on a stack whose `role` server sleeps --slow-step-s in every batch step, for
+    --slow-s. Each request is correct or fails with a named cause (silent, hang and unnamed
+    are counted as everywhere) within the router's --request-timeout; the slow server is slow,
+    not dead: nothing is restarted. A --slow-step-s x --max-tokens past --router-timeout makes
+    every request outlast the router: then each must fail, named, by its timeout."""
+    t0, r0, restarts0 = time.monotonic(), router_counters(url), stack.restarts()
+    load = Load(url, args, oracle, concurrency=args.slow_concurrency)
+    while time.monotonic() - t0 < args.slow_s:
+        time.sleep(0.5)
+    outs = load.stop()
+    idle = held_when_idle(servers(stack), args.idle_timeout)
+    t1 = time.monotonic()
+    restarts = stack.restarts() - restarts0
+    oks = [o.end - o.start for o in outs if o.verdict == "correct"]
+    r = summarize(
+        "slow_peer",
+        Counter({f"slow_{role}": 1}),
+        outs,
+        idle,
+        router_counters(url) - r0,
+        wall_s=round(t1 - t0, 1),
+        slow_role=role,
+        step_delay_s=args.slow_step_s,
+        concurrency=args.slow_concurrency,
+        latency_correct_s=_seconds(oks),
+        restarts=restarts,
+        launcher_events=stack.events(t0, t1),
+    )
+    if restarts:
+        r["problems"].append(
+            f"{restarts} restarts of a slow (not dead) stack: {r['launcher_events']}"
+        )
+    # The router's --request-timeout bounds a request end to end: its error must come by then.
+    bound = args.router_timeout + max(2.0, 0.1 * args.router_timeout)
+    late = [o.end - o.start for o in outs if o.status == "error" and o.end - o.start > bound]
+    if late:
+        r["problems"].append(
+            f"{len(late)} failures came after the router's --request-timeout of "
+            f"{args.router_timeout:g}s (latest {max(late):.1f}s)"
+        )
+    print(
+        f"fault_campaign: slow_peer role={role} requests={r['requests']} correct={r['correct']} "
+        f"failed_named={r['failed_named']} silent={r['silent']} hang={r['hang']} "
+        f"held={r['held_when_idle']} problems={r['problems']}",
+        flush=True,
+    )
+    return r
+
+
+def router_has_flag(flag: str) -> bool:
+    """Does this checkout's `kvrelay router` take `flag`? (The overload phase needs its limit.)"""
+    argv = [sys.executable, "-m", "kvrelay.cli", "router", "--help"]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    return flag in p.stdout
+
+
 def run(args: argparse.Namespace) -> dict:
     phases = [p for p in args.phases.split(",") if p]
     kills = [k for k in args.kill_kinds.split(",") if k]
@@ -212,8 +359,12 @@ def run(args: argparse.Namespace) -> dict:
         if k not in KILLS:
             raise SystemExit(f"unknown kill {k!r}; known: {', '.join(KILLS)}")
     for p in phases:
-        if p not in PER_REQUEST:
-            raise SystemExit(f"unknown phase {p!r}; known: {', '.join(PER_REQUEST)}")
+        if p not in PHASES:
+            raise SystemExit(f"unknown phase {p!r}; known: {', '.join(PHASES)}")
+    slow_roles = [r for r in args.slow_roles.split(",") if r]
+    for role in slow_roles:
+        if role not in ("prefill", "decode"):
+            raise SystemExit(f"unknown --slow-roles {role!r}; known: prefill, decode")
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvrelay-faults-")
     Path(log_dir).mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
@@ -230,6 +381,7 @@ def run(args: argparse.Namespace) -> dict:
         "oracle": "a single `kvrelay serve` (role single), greedy, the same prompts and max_tokens",
         "startup_s": [],
         "kinds": [],
+        "skipped": [],
         "restarts": 0,
     }
     oracle = oracle_tokens(args, f"{log_dir}/oracle.log")
@@ -237,7 +389,7 @@ def run(args: argparse.Namespace) -> dict:
     timeout = [f"--server-args=--transfer-timeout {args.transfer_timeout}"]
     # Stack A: corrupted transfers at rate P (the rest must be correct), disconnects, kills.
     stacks = []
-    a_phases = [p for p in phases if p != "delay"]
+    a_phases = [p for p in phases if p in ("corrupt", "disconnect")]
     if a_phases or kills:
         extra = timeout + [f"--prefill-args=--test-corrupt-transfer {args.corrupt_p}"]
         extra += [f"--decode-args={args.decode_args}"] if args.decode_args else []
@@ -246,15 +398,35 @@ def run(args: argparse.Namespace) -> dict:
         extra = [f"--server-args=--transfer-timeout {args.delay_timeout}"]
         extra += [f"--prefill-args=--test-delay-transfer {args.delay_s}"]
         stacks.append(("B", extra, ["delay"], []))
+    router_args = {}
+    if "overload" in phases:
+        if router_has_flag(ROUTER_LIMIT_FLAG):
+            # Stack C: the router's limit, and servers that run fewer than it (the rest queue).
+            t, srv = args.transfer_timeout, args.overload_server_args
+            extra = [f"--server-args=--transfer-timeout {t} {srv}".strip()]
+            router_args["C"] = f"{ROUTER_LIMIT_FLAG} {args.overload_limit}"
+            stacks.append(("C", extra, ["overload"], []))
+        else:
+            result["skipped"].append(f"overload: `kvrelay router` has no {ROUTER_LIMIT_FLAG} yet")
+    if "slow_peer" in phases:
+        for role in slow_roles:  # Stack D-<role>: that server sleeps in every batch step
+            extra = timeout + [f"--{role}-args=--test-step-delay {args.slow_step_s}"]
+            stacks.append((f"D-{role}", extra, [f"slow_peer:{role}"], []))
     for name, extra, pr_phases, kill_kinds in stacks:
-        started = start(args, f"{log_dir}/stack{name}", extra, result)
+        started = start(args, f"{log_dir}/stack{name}", extra, result, router_args.get(name, ""))
         if started is None:
             result.update(verdict=f"stack {name} did not start", exit_code=2)
             return result
         stack, url = started
         try:
             for kind in pr_phases:
-                result["kinds"].append(per_request_phase(kind, stack, url, args, oracle))
+                if kind == "overload":
+                    r = overload_phase(stack, url, args, oracle)
+                elif kind.startswith("slow_peer:"):
+                    r = slow_peer_phase(kind.split(":", 1)[1], stack, url, args, oracle)
+                else:
+                    r = per_request_phase(kind, stack, url, args, oracle)
+                result["kinds"].append(r)
             for kind in kill_kinds:
                 for _ in range(args.kills):
                     result["kinds"].append(kill_phase(kind, stack, url, args, oracle))
@@ -273,17 +445,23 @@ def verdict(result: dict) -> dict:
     result["faults_per_kind"] = dict(per_kind)
     held = [r["phase"] for r in ks if r["held_when_idle"]]
     unrecovered = [r["phase"] for r in ks if r.get("recovered") is False]
+    problems = [f"{r['phase']}: {p}" for r in ks for p in r.get("problems", [])]
     result["totals"] = tot
-    bad = tot["silent"] or tot["hang"] or tot["failed_unnamed"] or held or unrecovered
+    result["problems"] = problems
+    bad = tot["silent"] or tot["hang"] or tot["failed_unnamed"] or held or unrecovered or problems
+    skipped = f"; skipped: {result['skipped']}" if result.get("skipped") else ""
     if bad:
         result.update(
             verdict=f"silent {tot['silent']}, hangs {tot['hang']}, unnamed failures "
-            f"{tot['failed_unnamed']}, held idle after {held}, not recovered {unrecovered}",
+            f"{tot['failed_unnamed']}, held idle after {held}, not recovered {unrecovered}, "
+            f"problems {problems}{skipped}",
             exit_code=1,
         )
     else:
         result.update(
-            verdict=f"{tot['faults']} faults: no silent failure, no hang, nothing held idle",
+            verdict=f"{tot['faults']} faults: no silent failure, no hang, nothing held idle"
+            + (", no load-phase problem" if any(r["phase"] in LOAD for r in ks) else "")
+            + skipped,
             exit_code=0,
         )
     return result
@@ -298,7 +476,8 @@ def table(result: dict) -> str:
     ]
     by: dict[str, list[dict]] = {}
     for r in result["kinds"]:
-        by.setdefault(r["phase"], []).append(r)
+        name = r["phase"] + (f" ({r['slow_role']})" if r.get("slow_role") else "")
+        by.setdefault(name, []).append(r)
     for phase, rs in by.items():
         s = {k: sum(r[k] for r in rs) for k in ("requests", *VERDICTS)}
         faults = sum((Counter(r["faults"]) for r in rs), Counter())
@@ -317,7 +496,7 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = p.add_argument
-    add("--phases", default=",".join(PER_REQUEST), help=f"per-request kinds: {PER_REQUEST}")
+    add("--phases", default=",".join(PHASES), help=f"per-request and load phases: {PHASES}")
     add("--kill-kinds", default=",".join(DEFAULT_KILLS), help=f"process faults: {KILLS}")
     add("--kills", type=int, default=2, help="times each process fault is injected")
     add("--faults-per-kind", type=int, default=300, help="a per-request phase ends at this many")
@@ -334,6 +513,19 @@ def main(argv: list[str] | None = None) -> int:
     add("--delay-timeout", type=float, default=1.0, help="delay: the servers' --transfer-timeout")
     add("--delay-concurrency", type=int, default=24, help="delay: requests in flight")
     add("--cut-after", type=int, default=1, help="disconnect: chunks read before closing")
+    add("--overload-s", type=float, default=60.0, help="overload: seconds of load")
+    add("--overload-concurrency", type=int, default=128, help="overload: requests in flight")
+    add("--overload-limit", type=int, default=8, help="overload: router --max-concurrent-requests")
+    add(
+        "--overload-server-args",
+        default="--max-running-requests 4",
+        help="overload: more `kvrelay serve` args for both servers (default: fewer running "
+        "requests than the router admits, so the servers queue too)",
+    )
+    add("--slow-roles", default="decode,prefill", help="slow_peer: which server is slow, each")
+    add("--slow-step-s", type=float, default=0.5, help="slow_peer: --test-step-delay of it")
+    add("--slow-s", type=float, default=60.0, help="slow_peer: seconds of load")
+    add("--slow-concurrency", type=int, default=16, help="slow_peer: requests in flight")
     add("--idle-timeout", type=float, default=20.0, help="s an idle server may take to free all")
     add("--silent-s", type=float, default=8.0, help="silent_decode: seconds decode is stopped")
     add("--settle-s", type=float, default=3.0, help="seconds of steady load before a kill")

@@ -38,12 +38,15 @@ IDLE_GAUGES = re.compile(
 class Stack:
     """`kvrelay up` as a subprocess; its log lines, time-stamped, collected by a reader thread."""
 
-    def __init__(self, args: argparse.Namespace, log_dir: str, extra: list[str]) -> None:
+    def __init__(
+        self, args: argparse.Namespace, log_dir: str, extra: list[str], router_args: str = ""
+    ) -> None:
         argv = [sys.executable, "-m", "kvrelay.cli", "up", "--port", "0", "--log-dir", log_dir]
         argv += ["--model", args.model, "--max-total-tokens", str(args.max_total_tokens)]
         argv += ["--health-timeout", str(args.start_timeout)]
         # The stack's own bounds, below the client's: a request must end inside them.
-        argv += [f"--router-args=--request-timeout {args.router_timeout}"] + extra
+        argv += [f"--router-args=--request-timeout {args.router_timeout} {router_args}".strip()]
+        argv += extra
         env = dict(os.environ, KVRELAY_CPU_THREADS=str(args.cpu_threads))
         self.proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
@@ -161,6 +164,18 @@ class Outcome:
     cause: str = ""  # error: the error body's code (else its message), or what the client saw
     tokens: list[str] = field(default_factory=list)
     verdict: str = ""  # correct | silent | failed_named | failed_unnamed | hang | cut
+    http_status: int | None = None  # of the answer's head (a stream's error event: 200)
+    retry_after: str | None = None  # its Retry-After header, if it had one
+
+    @property
+    def rejected(self) -> bool:
+        """Turned away for load: a 429, a 503 whose cause says overloaded, or any answer that
+        tells the client when to come back."""
+        return self.status == "error" and (
+            self.http_status == 429
+            or (self.http_status == 503 and "overload" in self.cause)
+            or self.retry_after is not None
+        )
 
 
 def _cause(r: httpx.Response | dict) -> str:
@@ -198,14 +213,22 @@ def request(
     }
     t0 = time.monotonic()
 
-    def done(status: str, cause: str = "", tokens: list[str] | None = None) -> Outcome:
-        return Outcome(prompt, t0, time.monotonic(), status, cause, tokens or [])
+    def done(
+        status: str,
+        cause: str = "",
+        tokens: list[str] | None = None,
+        r: httpx.Response | None = None,
+    ) -> Outcome:
+        o = Outcome(prompt, t0, time.monotonic(), status, cause, tokens or [])
+        if r is not None:
+            o.http_status, o.retry_after = r.status_code, r.headers.get("retry-after")
+        return o
 
     try:
         if cut_after <= 0:
             r = client.post(url + "/v1/completions", json=body)
             if r.status_code != 200:
-                return done("error", _cause(r) or f"HTTP {r.status_code} without a cause")
+                return done("error", _cause(r) or f"HTTP {r.status_code} without a cause", r=r)
             ch = r.json()["choices"][0]
             toks = list((ch.get("logprobs") or {}).get("tokens") or [])
             return done("ok", tokens=toks)
@@ -214,7 +237,7 @@ def request(
         with client.stream("POST", url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 r.read()
-                return done("error", _cause(r) or f"HTTP {r.status_code} without a cause")
+                return done("error", _cause(r) or f"HTTP {r.status_code} without a cause", r=r)
             for line in r.iter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -339,6 +362,40 @@ ROUTER_COUNTERS = re.compile(
     r" ([0-9.e+-]+)$",
     re.M,
 )
+
+
+def router_gauge(url: str, name: str = "kvrelay_router_inflight_requests") -> float | None:
+    """One gauge of the router's /metrics (default: its requests in flight); None when it has no
+    such gauge or does not answer."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return None
+    m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+    return float(m[1]) if m else None
+
+
+class GaugePeak:
+    """Polls a router gauge in a thread while load runs; keeps the highest value read."""
+
+    def __init__(self, url: str, interval_s: float = 0.25) -> None:
+        self.url, self.interval_s = url, interval_s
+        self.peak: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            v = router_gauge(self.url)
+            if v is not None:
+                self.peak = v if self.peak is None else max(self.peak, v)
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> float | None:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
 
 
 def router_counters(url: str) -> Counter:

@@ -1,6 +1,9 @@
-"""The short fault campaign (benchmarks/fault_campaign.py) on a real `kvrelay up` stack: corrupted
-transfers and client disconnects mid-stream under concurrent load. Every answer is token-equal to a
-single server or fails with a named cause; nothing hangs; each server holds nothing once idle."""
+"""The short fault campaign (benchmarks/fault_campaign.py) on real `kvrelay up` stacks: corrupted
+transfers and client disconnects mid-stream under concurrent load, then overload (8x the router's
+--max-concurrent-requests, servers running fewer than it). Every answer is token-equal to a
+single server or fails with a named cause (past the router's limit: a 503/429 with Retry-After);
+nothing hangs; each server holds nothing once idle. (slow_peer runs in the full campaign only:
+another stack, ~25 s more here.)"""
 
 from __future__ import annotations
 
@@ -14,14 +17,17 @@ SCRIPT = Path(__file__).parents[2] / "benchmarks" / "fault_campaign.py"
 
 def test_short_fault_campaign_no_silent_failure_nothing_held(tmp_path):
     out = tmp_path / "campaign.json"
-    argv = [sys.executable, str(SCRIPT), "--phases", "corrupt,disconnect", "--kill-kinds", ""]
-    argv += ["--faults-per-kind", "12", "--phase-s", "60", "--concurrency", "4"]
+    argv = [sys.executable, str(SCRIPT), "--phases", "corrupt,disconnect,overload"]
+    argv += ["--kill-kinds", "", "--faults-per-kind", "12", "--phase-s", "60", "--concurrency", "4"]
+    argv += ["--overload-s", "4", "--overload-concurrency", "16", "--overload-limit", "2"]
+    argv += ["--overload-server-args=--max-running-requests 1"]
     argv += ["--max-tokens", "6", "--log-dir", str(tmp_path / "logs"), "--out", str(out)]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=1200)
     assert out.exists(), p.stdout[-3000:] + p.stderr[-3000:]
     result = json.loads(out.read_text())
     assert p.returncode == result["exit_code"] == 0, (result["verdict"], p.stderr[-3000:])
-    corrupt, disconnect = result["kinds"]
+    assert result["skipped"] == [] and result["problems"] == []
+    corrupt, disconnect, overload = result["kinds"]
     assert (corrupt["phase"], disconnect["phase"]) == ("corrupt", "disconnect")
     assert corrupt["faults"]["corrupt"] >= 12 and disconnect["faults"]["disconnect"] >= 12
     # Decode detected every damaged piece (a retried attempt counts); the router saw the cuts.
@@ -30,7 +36,15 @@ def test_short_fault_campaign_no_silent_failure_nothing_held(tmp_path):
     # The undamaged requests came back, token-equal to the single server.
     assert corrupt["correct"] > 0, corrupt
     assert set(corrupt["causes"]) == {"checksum_mismatch"}, corrupt["causes"]
-    for phase in (corrupt, disconnect):
+    # Overload: past the limit a clear 503/429 with Retry-After, the rest token-equal to the single
+    # server; the router never held more than its limit, and holds nothing once idle.
+    assert overload["rejected"] > 0 and overload["rejected_unclear"] == 0, overload
+    assert set(overload["rejection_status"]) <= {"429", "503"}, overload["rejection_status"]
+    assert "None" not in overload["retry_after"], overload["retry_after"]
+    assert overload["admitted"] == overload["correct"] > 0, overload["admitted_not_correct"]
+    assert overload["router_inflight_peak"] <= 2 and overload["router_inflight_idle"] == 0
+    assert overload["restarts"] == 0, overload["launcher_events"]
+    for phase in (corrupt, disconnect, overload):
         assert phase["silent"] == phase["hang"] == phase["failed_unnamed"] == 0, phase
         assert phase["held_when_idle"] == {}, phase
         assert phase["requests"] == phase["correct"] + phase["failed_named"] + phase["cut"]
