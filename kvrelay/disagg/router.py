@@ -49,6 +49,8 @@ from kvrelay.server.validation import parse_json, validate
 log = logging.getLogger("kvrelay.router")
 
 RETRYABLE = {502, 503, 504}
+# The request timeout is end to end: an attempt that used it up is not tried again.
+NOT_RETRIED = {"prefill_timeout", "decode_timeout"}
 
 
 class RouteError(Exception):
@@ -215,7 +217,7 @@ class Router:
                     e.message,
                 )
                 last = e
-                if e.status not in RETRYABLE:
+                if e.status not in RETRYABLE or e.cause in NOT_RETRIED:
                     break
         assert last is not None
         self.requests.labels(outcome="error").inc()
@@ -312,9 +314,7 @@ class Router:
         try:
             r = await client.send(self._signed(client, url, body))
         except httpx.HTTPError as e:
-            raise RouteError(
-                502, f"prefill server failed: {type(e).__name__}: {e}", "prefill_unreachable"
-            ) from None
+            raise self._http_failure("prefill", e) from None
         if r.status_code != 200:
             raise _error_of(r.status_code, r.content, "prefill")
 
@@ -336,9 +336,20 @@ class Router:
                 try:
                     return task.result()
                 except httpx.HTTPError as e:
-                    raise RouteError(
-                        502, f"decode server failed: {type(e).__name__}: {e}", "decode_unreachable"
-                    ) from None
+                    raise self._http_failure("decode", e) from None
+
+    def _http_failure(self, side: str, e: httpx.HTTPError) -> RouteError:
+        """A server that answered too late is slow, not unreachable: 504, and not retried."""
+        if isinstance(e, httpx.TimeoutException) and not isinstance(e, httpx.ConnectTimeout):
+            return RouteError(
+                504,
+                f"{side} server did not answer within --request-timeout "
+                f"({self.cfg.request_timeout_s:g}s): {type(e).__name__}",
+                f"{side}_timeout",
+            )
+        return RouteError(
+            502, f"{side} server failed: {type(e).__name__}: {e}", f"{side}_unreachable"
+        )
 
     @staticmethod
     async def _next_event(lines) -> str | None:

@@ -177,3 +177,53 @@ def test_outcomes_ok_error_and_client_disconnected_are_told_apart():
     assert '"stream_broken"' in text and text.endswith("data: [DONE]\n\n")  # error event, [DONE]
     assert _metric(broken, "kvrelay_router_requests_total", {"outcome": "error"}) == 1
     assert _metric(broken, "kvrelay_router_requests_total", {"outcome": "ok"}) == 0
+
+
+def test_a_decode_slower_than_the_request_timeout_is_a_504_tried_once():
+    """Slow is not unreachable: a read timeout is 504 decode_timeout, and the timeout being end
+    to end, no second attempt doubles the wait."""
+    calls = defaultdict(int)
+
+    async def slow_decode(request: httpx.Request) -> httpx.Response:
+        calls[request.url.host] += 1
+        if request.url.path == "/pd/info":
+            role = "prefill" if request.url.host.startswith("p") else "decode"
+            return httpx.Response(
+                200, json={"role": role, "instance_id": "i", "transfer_addr": "a"}
+            )
+        if request.url.host.startswith("p"):
+            await asyncio.sleep(5)  # prefill never finishes first: decode's timeout decides
+            return httpx.Response(200, json={})
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    cfg = RouterConfig(prefill=("http://p1",), decode=("http://d1",), pd_secret=SECRET)
+    r = Router(cfg, transport=httpx.MockTransport(slow_decode))
+    status, text = asyncio.run(_route(r))
+    assert status == 504 and json.loads(text)["error"]["code"] == "decode_timeout", text
+    assert "--request-timeout" in json.loads(text)["error"]["message"]
+    assert calls["d1"] == 2  # /pd/info and one attempt
+    assert _metric(r, "kvrelay_router_retries_total") == 0
+    assert _metric(r, "kvrelay_router_failures_total", {"cause": "decode_timeout"}) == 1
+
+
+def test_past_the_limit_a_503_with_retry_after_and_the_slot_comes_back():
+    servers = Servers()
+    cfg = RouterConfig(
+        prefill=("http://p1",), decode=("http://d1",), pd_secret=SECRET, max_concurrent_requests=1
+    )
+    r = Router(cfg, transport=httpx.MockTransport(servers))
+
+    async def main():
+        first = await r.route("/v1/completions", dict(BODY))  # a stream holds its slot
+        assert isinstance(first, StreamingResponse) and r.inflight == 1
+        second = await r.route("/v1/completions", dict(BODY))
+        assert second.status_code == 503 and second.headers["retry-after"] == "1"
+        assert json.loads(second.body)["error"]["code"] == "overloaded"
+        text = "".join([c async for c in first.body_iterator])
+        await first.background()
+        assert '"b"' in text and r.inflight == 0  # the stream's end gave the slot back
+        assert (await _route(r))[0] == 200
+
+    asyncio.run(main())
+    assert _metric(r, "kvrelay_router_requests_total", {"outcome": "overloaded"}) == 1
+    assert _metric(r, "kvrelay_router_requests_total", {"outcome": "ok"}) == 2
