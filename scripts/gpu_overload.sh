@@ -1,13 +1,15 @@
 #!/bin/bash
 # Issue 27 on the GPU (device tool): the tiny DeepSeek-V4 agent behind `kvrelay up` (bf16,
 # cuda_ipc, one H200 for both servers), `kvrelay repro` at concurrency 128 and 256 (3 turns x 64
-# tokens, tools sent), then the launcher's log checked for restarts. Needs the wheels installed
-# (scripts/gpu_check.sh does it; or PYTHONPATH set) and the model at ${AGENT:-.carry/dsv4-tiny-agent}.
-# Usage: OUT=out scripts/gpu_overload.sh
+# tokens, tools sent), then the launcher's log checked for restarts. Carry .whl made by
+# `WITH_AGENT=1 scripts/gpu_wheels.sh` (the wheels and .whl/dsv4-tiny-agent).
+# Usage (device tool): run(command="bash scripts/gpu_overload.sh", carry=[".whl"])
 OUT=${OUT:-out}
-AGENT=${AGENT:-.carry/dsv4-tiny-agent}
+AGENT=${AGENT:-.whl/dsv4-tiny-agent}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 logs=$(mktemp -d)
 python3 -m kvrelay.cli up --port 8300 --log-dir "$logs" --model "$AGENT" --health-timeout 300 \
   --server-args "--dtype bfloat16 --max-total-tokens 262144" \
@@ -16,7 +18,8 @@ python3 -m kvrelay.cli up --port 8300 --log-dir "$logs" --model "$AGENT" --healt
 up=$!
 for _ in $(seq 300); do grep -q "kvrelay up ready" "$OUT/overload_up.log" && break; sleep 1; done
 timeout ${REPRO_TIMEOUT:-300} python3 -m kvrelay.cli repro --base-url http://127.0.0.1:8300 \
-  --concurrency 128,256 --num-sessions 256 --turns 3 --max-tokens 64 --ledger off \
+  --concurrency 128,256 --reference-concurrency 32 --num-sessions 256 --turns 3 \
+  --max-tokens 64 --ledger off \
   --output-json "$OUT/repro_overload.json" 2>&1 | tail -20
 echo "repro exit: ${PIPESTATUS[0]}"
 echo "launcher restarts: $(grep -cE 'action=(restart|co-restart|give_up)' "$OUT/overload_up.log")"
