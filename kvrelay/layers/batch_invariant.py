@@ -6,8 +6,11 @@ matmul of M=1 rows runs a GEMV whose dot products sum in another order than the 
 (a row's logits differ between batch 1 and batch 2), bf16 GEMMs change blocking with M, and
 attention reduces over as many keys as the batch's longest context brings. The cure here is one
 rule: every op that reduces runs on tensors of a FIXED shape, in a fixed order, so a row always
-meets the same kernel. A fixed-shape GEMM computes each row the same way at any position in the
-block (measured: tests/layers/test_batch_invariant.py).
+meets the same kernel. A fixed shape is not quite enough: the kernel may still treat the rows of
+its block unevenly (MKL's AVX2 sgemm with 2 threads computes rows 6, 7, 14 and 15 of a [16, 256]
+x [256, 24] block in another order than the rest; its AVX-512 one does not), so each blocked op
+is checked once per shape on the machine it runs on (`_row_alike`) and run in the first form
+that computes a row alike at every position of its block, else one row per call.
 
 `scope(on)` is the switch the runners enter around a forward: inside it the torch dispatch mode
 below cuts token-major ops into blocks of exactly ROWS rows (the last one zero-padded); outside
@@ -28,31 +31,91 @@ aten = torch.ops.aten
 ROWS = 16  # rows per block: every blocked op sees [ROWS, ...] whatever the batch
 
 
-def in_row_blocks(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
+BlockFn = Callable[..., torch.Tensor]
+# (op key, block shapes, dtypes, threads) -> the form of the op that computes a row alike at every
+# position of a ROWS block on this machine, or None: none does, run one row per call.
+_FORMS: dict[tuple, BlockFn | None] = {}
+
+
+def in_row_blocks(
+    fn: BlockFn, *xs: torch.Tensor, key: tuple = (), forms: tuple[BlockFn, ...] = ()
+) -> torch.Tensor:
     """fn over xs' first dim (the same length in each) in blocks of exactly ROWS rows, the last
-    block zero-padded and its padding dropped from the result: every call has one shape."""
+    block zero-padded and its padding dropped from the result: every call has one shape.
+
+    `key` names what else decides the kernel (the op, its other operands' shapes and dtypes);
+    `fn` and then each of `forms` (the same result computed another way) is checked once per
+    key for computing every row of a block alike (`_row_alike`); where none does, every row
+    runs alone, a fresh [1, ...] tensor per call."""
     n = xs[0].shape[0]
-    if n in (0, ROWS):  # one block already (or nothing)
+    if n == 0:
         return fn(*xs)
+    # Contiguous, as the padded block and the probe are: a strided view may meet other kernels.
+    xs = tuple(x.contiguous() for x in xs)
+    full = (
+        key, tuple((x.shape[1:], x.dtype, x.device.type) for x in xs), torch.get_num_threads()
+    )  # fmt: skip
+    if full not in _FORMS:
+        _FORMS[full] = next((f for f in (fn, *forms) if _row_alike(f, xs)), None)
+    form = _FORMS[full]
+    if form is None:
+        return torch.cat([fn(*(x[i : i + 1].clone() for x in xs)) for i in range(n)])
+    if n == ROWS:  # one block already
+        return form(*xs)
     pad = -n % ROWS
     if pad:
         xs = tuple(torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) for x in xs)
-    return torch.cat([fn(*b) for b in zip(*(x.split(ROWS) for x in xs), strict=True)])[:n]
+    return torch.cat([form(*b) for b in zip(*(x.split(ROWS) for x in xs), strict=True)])[:n]
 
 
-def _rows_of(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def _row_alike(fn: BlockFn, xs: tuple[torch.Tensor, ...]) -> bool:
+    """Does fn give a row the same bits at every position of a ROWS block? A block of random
+    rows against the same rows moved down by one (cyclically): a kernel that treats some
+    positions otherwise has two neighbouring positions that differ, and this compares every
+    neighbouring pair. Which rows a kernel treats how follows from the shapes (tiles, the
+    split over threads), not from the values."""
+    g = torch.Generator().manual_seed(0)
+
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        if not x.is_floating_point():
+            return x[:1].expand(ROWS, *x.shape[1:]).clone()  # indices: any valid ones
+        r = torch.randn(ROWS, *x.shape[1:], generator=g, dtype=torch.float32)
+        return r.to(device=x.device, dtype=x.dtype)
+
+    block = [probe(x) for x in xs]
+    return torch.equal(fn(*block).roll(1, 0), fn(*(b.roll(1, 0) for b in block)))
+
+
+def _rows_of(
+    x: torch.Tensor, fn: BlockFn, key: tuple = (), forms: tuple[BlockFn, ...] = ()
+) -> torch.Tensor:
     """fn over the rows of x's leading dims (flattened), blocked; x [..., K] -> [..., N]."""
     flat = x.reshape(-1, x.shape[-1])
-    out = in_row_blocks(fn, flat)
+    out = in_row_blocks(fn, flat, key=key, forms=forms)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def _operand_key(*ts) -> tuple:
+    return tuple(
+        (tuple(t.shape), t.stride(), t.dtype) if isinstance(t, torch.Tensor) else t for t in ts
+    )
+
+
 def _linear(x, w, bias=None):
-    return _rows_of(x, lambda b: F.linear(b, w, bias))
+    def lanes(b):  # the block's rows on the GEMM's other side: [N, ROWS], transposed back
+        out = torch.mm(w, b.t()).t().contiguous()
+        return out if bias is None else out + bias
+
+    return _rows_of(x, lambda b: F.linear(b, w, bias), ("linear", *_operand_key(w, bias)), (lanes,))
 
 
 def _mm(a, b):
-    return in_row_blocks(lambda blk: torch.mm(blk, b), a)
+    return in_row_blocks(
+        lambda blk: torch.mm(blk, b),
+        a,
+        key=("mm", *_operand_key(b)),
+        forms=(lambda blk: torch.mm(b.t(), blk.t()).t().contiguous(),),
+    )
 
 
 def _addmm(bias, a, b, *, beta=1, alpha=1):
@@ -63,7 +126,12 @@ def _addmm(bias, a, b, *, beta=1, alpha=1):
 def _matmul(a, b):
     if b.dim() != 2 or a.dim() < 2:  # batched: callers keep those shapes fixed themselves
         return NotImplemented
-    return _rows_of(a, lambda blk: torch.mm(blk, b))
+    return _rows_of(
+        a,
+        lambda blk: torch.mm(blk, b),
+        ("mm", *_operand_key(b)),
+        (lambda blk: torch.mm(b.t(), blk.t()).t().contiguous(),),
+    )
 
 
 def _einsum(equation: str, operands, path=None):
@@ -85,7 +153,9 @@ def _einsum(equation: str, operands, path=None):
             ops[i] = blk
         return aten.einsum.default(equation, ops, path=path)
 
-    return in_row_blocks(run, *(operands[i] for i in blocked))
+    others = [operands[i] for i in range(len(operands)) if i not in blocked]
+    key = ("einsum", equation, tuple(blocked), *_operand_key(*others))
+    return in_row_blocks(run, *(operands[i] for i in blocked), key=key)
 
 
 def _keeps_rows(x: torch.Tensor, dims) -> bool:
@@ -102,7 +172,8 @@ def _reduce(op):
     def run(x, dims, keepdim=False, *, dtype=None):
         if not _keeps_rows(x, dims):
             return NotImplemented
-        return in_row_blocks(lambda b: op(b, dims, keepdim, dtype=dtype), x)
+        key = (str(op), tuple(dims) if isinstance(dims, list | tuple) else dims, keepdim, dtype)
+        return in_row_blocks(lambda b: op(b, dims, keepdim, dtype=dtype), x, key=key)
 
     return run
 
@@ -111,7 +182,7 @@ def _softmax(op):
     def run(x, dim, half_to_float):
         if not _keeps_rows(x, dim):
             return NotImplemented
-        return in_row_blocks(lambda b: op(b, dim, half_to_float), x)
+        return in_row_blocks(lambda b: op(b, dim, half_to_float), x, key=(str(op), dim))
 
     return run
 
