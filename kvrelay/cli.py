@@ -378,6 +378,12 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
     )
 
 
+# Idle client connections are kept this long: longer than clients keep theirs (httpx and so the
+# openai client: 5 s, uvicorn's default too), so that the client closes first. With equal times a
+# client could reuse a connection the server was closing (a ReadError, seen at 128 sessions).
+KEEP_ALIVE_S = 65
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     import uvicorn
 
@@ -408,7 +414,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
         print(f"kvrelay ready: {url} (model {state.model_name}) | try: {example}", flush=True)
 
     raise_open_files_limit(4096)  # a connection per client request (router: one per request)
-    uvicorn.run(create_app(cfg, on_ready=ready), host=a.host, port=a.port, log_level="warning")
+    uvicorn.run(
+        create_app(cfg, on_ready=ready),
+        host=a.host,
+        port=a.port,
+        log_level="warning",
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
     return 0
 
 
@@ -441,7 +453,11 @@ def cmd_router(a: argparse.Namespace) -> int:
         )
 
     uvicorn.run(
-        create_router_app(cfg, on_ready=ready), host=a.host, port=a.port, log_level="warning"
+        create_router_app(cfg, on_ready=ready),
+        host=a.host,
+        port=a.port,
+        log_level="warning",
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
     return 0
 
