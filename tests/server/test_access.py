@@ -1,6 +1,6 @@
 """Who may use a server, and how much they may send (a real `kvrelay serve` process).
 
-One prefill-role server started with an API key, a small body limit and no PD secret: /health and
+One prefill-role server started with an API key, a small body limit and no PD secret: /health, /ready and
 /metrics stay open, every other route needs `Authorization: Bearer KEY` (401 in the OpenAI error
 format otherwise), bodies over the limit get 413 whether chunked or not, and PD routing fields are
 refused (403) without a connection to the decode address they name.
@@ -40,9 +40,13 @@ def _is_openai_error(r: httpx.Response, status: int, code: str) -> None:
     assert err["code"] == code and err["message"] and err["type"], err
 
 
-def test_health_and_metrics_stay_open(guarded):
-    assert httpx.get(guarded.url + "/health").status_code == 200
+def test_health_ready_and_metrics_stay_open(guarded):
+    assert httpx.get(guarded.url + "/health").status_code == 200  # alive
     assert httpx.get(guarded.url + "/metrics").status_code == 200
+    # ... but a prefill server without the PD secret serves nothing, and says so where asked
+    r = httpx.get(guarded.url + "/ready")
+    _is_openai_error(r, 503, "engine_unavailable")
+    assert "without a PD secret" in r.json()["error"]["message"], r.text
 
 
 ROUTES = [
