@@ -9,8 +9,10 @@
 # Phases, each under `timeout` and all under one deadline (BUDGET_S, default 530 s after the
 # start), in this order (a phase that the deadline leaves < 20 s for is skipped):
 #   install  the wheels of .whl/ into /tmp/site                                        cap  60 s
-#   tests    pytest -m gpu tests/gpu tests/quant: the quick tier (-v, every test's
-#            duration in gpu_tests.log)                                                 cap 300 s
+#   tests    pytest -m gpu tests/gpu tests/quant: the quick tier in 4 pytest-xdist workers
+#            (about 3 min; serial, kernel files first: about 6-8 min; both estimated), -v,
+#            every test's duration in gpu_tests.log; then one line lists the tests that
+#            did not run (those the cap stopped)                                         cap 300 s
 #   decode   benchmarks/decode_throughput.py: llama-1b (dummy bf16), batch 1 and 64    cap 100 s
 #   dsv4     benchmarks/dsv4_decode.py: dsv4-mini fast path, batch 1/8/64 at context
 #            4096, prefill 4096 (no reference path)                                     cap 200 s
@@ -24,12 +26,15 @@
 # served_server.log only when the served phase failed.
 # Environment: BUDGET_S; MARK (default gpu: the quick tier; gpu_full: the exhaustive one, a file
 # or two per call), TESTS (default "tests/gpu tests/quant": all that `-m gpu` selects), TESTS_CAP
-# (default 300 s), XDIST (default 0: serial, which is what the tier's time is measured as; N: N
-# pytest-xdist workers, files kept whole), PYTEST_ARGS (more pytest arguments); SKIP (phases to
-# skip, e.g. SKIP="decode dsv4 served").
+# (default 300 s), XDIST (default 4: 4 pytest-xdist workers, `--dist loadgroup`: the engines of
+# one path in one worker, every other file whole, the longest groups first, see
+# tests/conftest.py; 0: serial, the kernel files first and the served paths after them, so that
+# a run stopped at the cap has run every kernel: what `pytest -m gpu` does by hand),
+# PYTEST_ARGS (more pytest arguments); SKIP (phases to skip, e.g. SKIP="decode dsv4 served").
 set -o pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-out} MARK=${MARK:-gpu} TESTS=${TESTS:-tests/gpu tests/quant} PYTEST_ARGS=${PYTEST_ARGS:-}
+export XDIST=${XDIST:-4}
 mkdir -p "$OUT"
 BUDGET_S=${BUDGET_S:-530}
 START=$(date +%s)
@@ -96,13 +101,15 @@ install() {
     --target /tmp/site .whl/*.whl
 }
 run_tests() {
-  # -v: each test as it ends; --durations=0: every test's time (to recalibrate the tiers)
+  # -v: each test as it ends; --durations=0: every test's time (to recalibrate the tiers);
+  # KVRELAY_TEST_PLAN: tests/conftest.py writes there the tests pytest selected (for not_run)
   local par=""
-  if [ "${XDIST:-0}" != 0 ]; then  # test files in parallel processes on the one GPU: compiles overlap
-    python3 -c "import xdist" 2>/dev/null && par="-n $XDIST --dist loadfile" || echo "no pytest-xdist: serial"
+  if [ "$XDIST" != 0 ]; then  # test files in parallel processes on the one GPU: compiles overlap
+    python3 -c "import xdist" 2>/dev/null \
+      && par="-n $XDIST --dist loadgroup --no-loadscope-reorder" || echo "no pytest-xdist: serial"
   fi
-  python3 -m pytest -m "$MARK" -v -rfE -p no:cacheprovider --durations=0 $par $PYTEST_ARGS $TESTS \
-    > "$OUT/gpu_tests.log" 2>&1
+  KVRELAY_TEST_PLAN="$PLAN" python3 -m pytest -m "$MARK" -v -rfE -p no:cacheprovider \
+    --durations=0 $par $PYTEST_ARGS $TESTS > "$OUT/gpu_tests.log" 2>&1
   local rc=$?
   echo "slowest:"
   grep -E "^[0-9]+\.[0-9]+s (call|setup|teardown) " "$OUT/gpu_tests.log" | head -12
@@ -110,11 +117,61 @@ run_tests() {
   tail -1 "$OUT/gpu_tests.log"
   return $rc
 }
+not_run() {
+  # The selected tests that gpu_tests.log shows no outcome for, on one line (and their count in
+  # $NOT_RUN for the table): what a run stopped at its cap (or a crash) left out.
+  NOT_RUN=$(python3 - "$PLAN" "$OUT/gpu_tests.log" "${RC[tests]}" <<'EOF'
+import re
+import sys
+
+plan_path, log_path, rc = sys.argv[1:4]
+
+
+def norm(nodeid):  # xdist's loadgroup appends "@group"
+    at = nodeid.rfind("@")
+    return nodeid[:at] if at > nodeid.rfind("]") else nodeid
+
+
+try:
+    with open(plan_path) as f:
+        plan = [norm(x) for x in f.read().splitlines() if x]
+except OSError:
+    print("tests not run: unknown (pytest wrote no list of its tests: stopped before collecting?)",
+          file=sys.stderr)
+    print("not run: unknown")
+    sys.exit()
+done, seen = set(), set()
+outcome = re.compile(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+try:
+    with open(log_path, errors="replace") as f:
+        for line in f:
+            ids = {norm(i) for i in re.findall(r"(tests/\S+::\S+)", line)}
+            (done if outcome.search(line) else seen).update(ids)
+except OSError:
+    pass
+missing = [t for t in plan if t not in done]
+if not missing:
+    print(f"tests not run: none (all {len(plan)} selected tests ran)", file=sys.stderr)
+else:
+    why = "stopped at the cap" if rc == "124" else f"pytest exit {rc}"
+    print(f"tests not run ({len(missing)} of {len(plan)}, {why}): " + " ".join(missing),
+          file=sys.stderr)
+    stopped = [t for t in missing if t in seen]
+    if stopped:
+        print("  of these, started but not finished: " + " ".join(stopped), file=sys.stderr)
+print(f"{len(missing)} of {len(plan)} not run")
+EOF
+  )
+}
 export -f install run_tests  # `timeout` runs commands, not shell functions: bash -c NAME
 
 phase install 60 bash -c install
 export PYTHONPATH=/tmp/site:$PWD
+export PLAN=/tmp/gpu_check_plan.$$.txt
+rm -f "$PLAN"
 phase tests "${TESTS_CAP:-300}" bash -c run_tests
+NOT_RUN=""
+[ "${RC[tests]}" != skipped ] && not_run
 
 phase decode 100 python3 benchmarks/decode_throughput.py --batch-sizes 1,64 --steps 20 --skip-hf \
   --out "$OUT/decode_throughput.json"
@@ -134,6 +191,7 @@ fi
 export WALL_INSTALL=${WALL[install]} WALL_TESTS=${WALL[tests]} WALL_DECODE=${WALL[decode]}
 export WALL_DSV4=${WALL[dsv4]} WALL_SERVED=${WALL[served]} RC_INSTALL=${RC[install]}
 export RC_TESTS=${RC[tests]} RC_DECODE=${RC[decode]} RC_DSV4=${RC[dsv4]} RC_SERVED=${RC[served]}
+export NOT_RUN
 export TOTAL_S=$(($(date +%s) - START)) OUT
 python3 - <<'EOF'
 """The one short table: the test tier, then one line per headline number (with the committed
@@ -165,7 +223,8 @@ try:
     tests = lines[-1].strip("= ") if lines else "no result line"
 except OSError:
     pass
-rows.append((f"tests: pytest -m {os.environ['MARK']}", f"{tests}; exit {rc['tests']}", ""))
+not_run = f"; {os.environ['NOT_RUN']}" if os.environ.get("NOT_RUN") else ""
+rows.append((f"tests: pytest -m {os.environ['MARK']}", f"{tests}; exit {rc['tests']}{not_run}", ""))
 
 d = load(os.path.join(out, "decode_throughput.json"))
 old = load("benchmarks/results/decode_throughput_h200.json")

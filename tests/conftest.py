@@ -1,6 +1,7 @@
 """Shared fixtures: a real `kvrelay serve` subprocess, one torch thread for modules of tiny ops,
 and the GPU tiers: the gpu marker's skip rule, `-m gpu` as the quick tier (gpu_full: the
-exhaustive sweeps), `tiered` to split a parametrized GPU test between the two."""
+exhaustive sweeps) with the kernel files first, `tiered` to split a parametrized GPU test between
+the two, and the GPU files' pytest-xdist groups (`--dist loadgroup`)."""
 
 from __future__ import annotations
 
@@ -41,11 +42,101 @@ def pytest_configure(config):
     also leaves out the gpu_full cases (every tile config, shape and dtype combination of the
     kernel sweeps), which `pytest -m gpu_full` runs. Without -m both tiers are collected."""
     expr = config.option.markexpr
+    config.kvrelay_quick_gpu = False
     if re.search(r"\bgpu\b", expr) and not re.search(r"\bgpu_full\b", expr):
         config.option.markexpr = f"({expr}) and not gpu_full"
+        config.kvrelay_quick_gpu = True
 
 
+# The GPU files by what they run. Kernel files compile only their own kernels and each takes
+# seconds: tests/quant, tests/gpu/test_triton_*.py and these two. Every other file of tests/gpu
+# runs a served path (engines, servers): the order below, any file not named last. The first
+# engine of a path pays for compiling its kernels (the dense one: tens of seconds; DeepSeek-V4's
+# fast path, Triton and torch.compile: about a minute), the later ones of the path find them.
+GPU_KERNEL_FILES = ("test_cuda_ipc.py", "test_dsv4_fusion.py")
+GPU_SERVED_ORDER = (
+    "test_engine_gpu.py",  # the dense path: CUDA graphs against the torch reference
+    "test_host_tier_gpu.py",
+    "test_step_profile_gpu.py",
+    "test_pd_cuda_ipc.py",  # servers as processes (kernels from the on-disk Triton cache)
+    "test_capture_isolation.py",  # DeepSeek-V4's fast path, QAT on (its first engine)
+    "test_dsv4_prefix_gpu.py",
+    "test_dsv4_fast_gpu.py",
+    "test_dsv4_gpu.py",
+)
+# pytest-xdist groups (`--dist loadgroup`): the engines of one path in one worker, which
+# compiles the path's kernels once; every other file is a group of its own (kept whole). The
+# groups go out in this order (`--no-loadscope-reorder` keeps it), the longest first:
+# DeepSeek-V4's engines (about 2 minutes), the dense engines, the PD servers; then the CUDA cases
+# of tests/quant (short: what the first workers take beside their long group); then the kernels.
+GPU_XDIST_GROUPS = {
+    "test_capture_isolation.py": "dsv4-engines",
+    "test_dsv4_fast_gpu.py": "dsv4-engines",
+    "test_dsv4_prefix_gpu.py": "dsv4-engines",
+    "test_dsv4_gpu.py": "dsv4-engines",
+    "test_engine_gpu.py": "dense-engines",
+    "test_host_tier_gpu.py": "dense-engines",
+    "test_step_profile_gpu.py": "dense-engines",
+}
+
+
+def _gpu_file_kind(item) -> str | None:
+    """'kernel', 'served' or None (not a GPU test) for a test item."""
+    if not (item.get_closest_marker("gpu") or item.get_closest_marker("gpu_full")):
+        return None
+    path = Path(item.path).resolve()
+    if path.parent == REPO / "tests" / "quant":
+        return "kernel"
+    if path.parent != REPO / "tests" / "gpu":
+        return None
+    if path.name.startswith("test_triton_") or path.name in GPU_KERNEL_FILES:
+        return "kernel"
+    return "served"
+
+
+def _served_rank(name: str) -> int:
+    return GPU_SERVED_ORDER.index(name) if name in GPU_SERVED_ORDER else len(GPU_SERVED_ORDER)
+
+
+def _quick_order(item, where: int) -> tuple:
+    """Serial quick tier: every kernel file first (in collection order), then the served files in
+    GPU_SERVED_ORDER; tests outside the GPU files keep their place, before both."""
+    kind = _gpu_file_kind(item)
+    if kind == "kernel":
+        return (1, 0, where)
+    if kind == "served":
+        return (2, _served_rank(item.path.name), where)
+    return (0, 0, where)
+
+
+def _xdist_order(item, where: int) -> tuple:
+    """Under `--dist loadgroup`: the engine groups and the PD servers, the quant files, then the
+    kernel files (see GPU_XDIST_GROUPS)."""
+    kind, name = _gpu_file_kind(item), item.path.name
+    if kind == "served":
+        group = GPU_XDIST_GROUPS.get(name)
+        first = {"dsv4-engines": 0, "dense-engines": 1}.get(group, 2)
+        return (1, first, _served_rank(name), where)
+    if kind == "kernel":
+        return (2, 0 if item.path.parent.name == "quant" else 1, where)
+    return (0, 0, 0, where)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
+    # an xdist worker (where the tests are collected) sees `--dist loadgroup` as option.loadgroup
+    loadgroup = getattr(config.option, "loadgroup", False)
+    if loadgroup:
+        for item in items:
+            if _gpu_file_kind(item) is not None:
+                group = GPU_XDIST_GROUPS.get(item.path.name, item.path.name)
+                item.add_marker(pytest.mark.xdist_group(group))
+        order = [(_xdist_order(item, i), item) for i, item in enumerate(items)]
+        items[:] = [item for _, item in sorted(order, key=lambda x: x[0])]
+    elif getattr(config, "kvrelay_quick_gpu", False):
+        order = [(_quick_order(item, i), item) for i, item in enumerate(items)]
+        items[:] = [item for _, item in sorted(order, key=lambda x: x[0])]
+
     import torch
 
     if torch.cuda.is_available():
@@ -54,6 +145,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords or "gpu_full" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """With KVRELAY_TEST_PLAN=PATH: the selected tests' ids, one a line, to PATH (what
+    scripts/gpu_check.sh compares with the log when its cap stops a run)."""
+    path = os.environ.get("KVRELAY_TEST_PLAN")
+    if not path or getattr(session.config.option, "collectonly", False):
+        return
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.writelines(item.nodeid + "\n" for item in session.items)
+    os.replace(tmp, path)  # xdist: each worker writes the same list
 
 
 def tiered(names: str, values, quick, ids=None):

@@ -2,7 +2,13 @@
 IPC handles, a leftover engine): captures run in thread-local error mode. A thread allocates
 fresh device memory (cudaMalloc, forbidden to every thread under a global-mode capture) while a
 dense engine captures its graphs at start and a DeepSeek-V4 engine captures lazily mid-run; both
-then produce the tokens their eager twins produce."""
+then produce the tokens their eager twins produce.
+
+Quick tier (`pytest -m gpu`): [dsv4-tiny], the lazy capture mid-run (what a PD transfer thread
+can race) on the served default (QAT on). [smollm2-135m] is gpu_full: a dense engine captures
+its decode graphs at start, before it serves (the same thread-local capture; the dense graphs
+are in the quick tier through test_engine_gpu.py, test_host_tier_gpu.py and
+test_step_profile_gpu.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import threading
 
 import pytest
 import torch
+from conftest import tiered
 
 from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvrelay.engine.engine import Engine, generate
@@ -64,7 +71,7 @@ def _tokens(engine: Engine) -> list[list[int]]:
     return [[t for o in outs for t in o.token_ids] for outs in generate(engine, prompts, PARAMS)]
 
 
-@pytest.mark.parametrize("model", ["smollm2-135m", "dsv4-tiny"])
+@tiered("model", ["smollm2-135m", "dsv4-tiny"], quick=["dsv4-tiny"])
 def test_capture_survives_other_threads_cuda_calls(model):
     want = _tokens(_engine(model, graphs=False))
     noise = _Allocator()

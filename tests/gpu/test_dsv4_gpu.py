@@ -1,8 +1,9 @@
 """DeepSeek-V4 through the engine on the GPU (torch reference path): the paged caches and state
 slots give the full-sequence forward's logits there too, dense and NVFP4 experts, and the GPU
-agrees with the CPU. Quick tier: [dense]; NVFP4 experts on the GPU are in the quick tier through
-test_dsv4_fast_gpu.py (fast path == reference path), so [nvfp4] and the CPU comparison are
-gpu_full."""
+agrees with the CPU. All gpu_full: the reference path runs on the GPU in the quick tier as the
+oracle of test_dsv4_fast_gpu.py and test_dsv4_prefix_gpu.py (the fast path, other code, equals
+it there to 1e-4), and the reference engine equals the full forward on the CPU
+(tests/engine/test_dsv4_engine.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import tiered
 
 from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvrelay.engine.engine import Engine, generate
@@ -40,7 +40,8 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 40, 150, 300)]
 
 
-@tiered("expert_format", ["dense", "nvfp4"], quick=["dense"])
+@pytest.mark.gpu_full
+@pytest.mark.parametrize("expert_format", ["dense", "nvfp4"])
 def test_engine_on_gpu_equals_full_forward(expert_format: str) -> None:
     eng = _engine("cuda", expert_format)
     p = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)

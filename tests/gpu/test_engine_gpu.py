@@ -3,6 +3,13 @@
 float32 throughout, so the two paths differ only in rounding (the Triton kernels round once
 where torch rounds per op): greedy tokens must agree, except at a genuine near-tie of the
 reference (top-2 logprob gap below 1e-3), which the test reports.
+
+Quick tier (`pytest -m gpu`): Triton + CUDA graphs against the reference (the 1500-token prompt
+is chunked at the 2048-token budget). gpu_full: Triton eager with 64-token chunks, whose two
+parts the quick tier has elsewhere: chunked prefill through the Triton prefill kernel on chunks
+of long contexts (test_triton_attention.py) and 64-token chunks served (test_pd_cuda_ipc.py;
+chunked prefill against HF on the CPU: tests/engine), eager decode through the decode kernels
+(test_triton_attention.py).
 """
 
 from __future__ import annotations
@@ -60,5 +67,6 @@ def test_triton_with_cuda_graphs_matches_torch_reference(reference):
     _compare(_run("triton", graphs=True), reference)
 
 
+@pytest.mark.gpu_full
 def test_triton_eager_and_chunked_prefill_match(reference):
     _compare(_run("triton", graphs=False, chunk=64), reference)
