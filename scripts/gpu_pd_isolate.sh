@@ -6,6 +6,8 @@
 #   tcp        tcp transport, prefix caches on
 #   ipc-nocache  cuda_ipc, --disable-prefix-cache on both servers
 #   single     one server (no PD), prefix cache on
+#   single-nocache  one server, --disable-prefix-cache (bf16 batch numerics alone)
+#   single-fp32     one server, prefix cache on, float32
 # Carry .whl (WITH_AGENT=1 scripts/gpu_wheels.sh). Usage: VARIANTS="ipc tcp" bash scripts/gpu_pd_isolate.sh
 OUT=${OUT:-out}
 AGENT=${AGENT:-.whl/dsv4-tiny-agent}
@@ -20,11 +22,13 @@ for v in ${VARIANTS:-ipc tcp ipc-nocache single}; do
     ipc) args=(--server-args "$base --transfer-backend cuda_ipc") ;;
     tcp) args=(--server-args "$base --transfer-backend tcp") ;;
     ipc-nocache) args=(--server-args "$base --transfer-backend cuda_ipc --disable-prefix-cache") ;;
-    single) args=() ;;
+    single) args=($base) ;;
+    single-nocache) args=($base --disable-prefix-cache) ;;
+    single-fp32) args=(--dtype float32 --max-total-tokens 262144) ;;
   esac
   t0=$(date +%s)
-  if [ $v = single ]; then
-    python3 -m kvrelay.cli serve --port $port --model "$AGENT" $base > $logs/single.log 2>&1 &
+  if [[ $v == single* ]]; then
+    python3 -m kvrelay.cli serve --port $port --model "$AGENT" "${args[@]}" > $logs/single.log 2>&1 &
     pid=$!
     for _ in $(seq 200); do curl -sf localhost:$port/ready > /dev/null && break; sleep 1; done
   else
