@@ -525,11 +525,16 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             return [d async for d in gen.deltas()]
 
         task = asyncio.ensure_future(asyncio.gather(*(run(g) for g in gens)))
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.5)
-            if not task.done() and await request.is_disconnected():
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.5)
+                if not task.done() and await request.is_disconnected():
+                    raise APIError(499, "client disconnected")
+        finally:
+            if not task.done():  # the client left, or this handler was cancelled (the router)
                 task.cancel()
-                raise APIError(499, "client disconnected")
+                # Its CancelledError is expected: retrieved, not logged as an unhandled error.
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
         try:
             return task.result()
         except EngineDead as e:
