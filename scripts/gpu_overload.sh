@@ -4,12 +4,8 @@
 # tokens, tools sent), then the launcher's log checked for restarts. Carry .whl made by
 # `WITH_AGENT=1 scripts/gpu_wheels.sh` (the wheels and .whl/dsv4-tiny-agent).
 # Usage (device tool): run(command="bash scripts/gpu_overload.sh", carry=[".whl"])
-OUT=${OUT:-out}
 AGENT=${AGENT:-.whl/dsv4-tiny-agent}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh
 logs=$(mktemp -d)
 python3 -m kvrelay.cli up --port 8300 --log-dir "$logs" --model "$AGENT" --health-timeout 300 \
   --server-args "--dtype bfloat16 --max-total-tokens 262144" \

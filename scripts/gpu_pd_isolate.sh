@@ -9,12 +9,8 @@
 #   single-nocache  one server, --disable-prefix-cache (bf16 batch numerics alone)
 #   single-fp32     one server, prefix cache on, float32
 # Carry .whl (WITH_AGENT=1 scripts/gpu_wheels.sh). Usage: VARIANTS="ipc tcp" bash scripts/gpu_pd_isolate.sh
-OUT=${OUT:-out}
 AGENT=${AGENT:-.whl/dsv4-tiny-agent}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh
 base="--dtype bfloat16 --max-total-tokens 262144"
 for v in ${VARIANTS:-ipc tcp ipc-nocache single}; do
   logs=/tmp/logs-$v; mkdir -p $logs; port=8300

@@ -1,9 +1,6 @@
 #!/bin/bash
 # Device run of scripts/gpu_prefix_hit_check.py (carry .whl made by WITH_AGENT=1 scripts/gpu_wheels.sh).
-OUT=${OUT:-out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh
 A=${AGENT:-.whl/dsv4-tiny-agent}; base="--model $A --dtype bfloat16 --max-total-tokens 262144 ${EXTRA:-}"
 python3 -m kvrelay.cli serve --port 8301 $base > "$OUT/cache.log" 2>&1 &
 python3 -m kvrelay.cli serve --port 8302 $base --disable-prefix-cache > "$OUT/nocache.log" 2>&1 &
