@@ -6,7 +6,7 @@
 # Usage (device tool): run(command="bash scripts/gpu_overload.sh", carry=[".whl"])
 AGENT=${AGENT:-.whl/dsv4-tiny-agent}
 source scripts/gpu_env.sh
-logs=$(mktemp -d)
+logs="$OUT/up-logs"  # comes back with the results
 python3 -m kvrelay.cli up --port 8300 --log-dir "$logs" --model "$AGENT" --health-timeout 300 \
   --server-args "--dtype bfloat16 --max-total-tokens 262144" \
   --prefill-args "--transfer-backend cuda_ipc" --decode-args "--transfer-backend cuda_ipc" \
