@@ -203,7 +203,7 @@ def test_hf_checkpoint_without_mtp_loads(ckpt: Path) -> None:
 # Config parsing
 # --------------------------------------------------------------------------------------------
 def test_config_roundtrips_through_hf() -> None:
-    for name in ("dsv4-tiny", "dsv4-mini", "dsv4-flash"):
+    for name in ("dsv4-tiny", "dsv4-mini", "dsv4-mini8", "dsv4-flash"):
         cfg = preset(name).with_(expert_format="dense")  # a serving choice, not in HF's config
         hf_cfg = transformers.DeepseekV4Config(**cfg.to_hf_dict())
         assert DeepseekV4Config.from_dict(hf_cfg.to_dict()) == cfg

@@ -424,6 +424,14 @@ PRESETS: dict[str, DeepseekV4Config] = {
         layer_types=(SLIDING, SLIDING) + (CSA, HCA) * 9,
         mlp_layer_types=(HASH_MOE,) * 3 + (MOE,) * 17,
     ),
+    # The same shapes with 8 layers (~2/5 of dsv4-mini's weights): a prefill and a decode
+    # server side by side on one H200, for PD over cuda_ipc at Flash's per-layer sizes.
+    "dsv4-mini8": _FLASH.with_(
+        expert_format="nvfp4",
+        num_hidden_layers=8,
+        layer_types=(SLIDING, SLIDING) + (CSA, HCA) * 3,
+        mlp_layer_types=(HASH_MOE,) * 3 + (MOE,) * 5,
+    ),
     # For tests: every layer kind and both routers in five small layers. The heavy ratio is
     # 16 (not 128) and the window 16 so that a few hundred tokens fill the window and make
     # several entries of both ratios; index_topk 8 makes the indexer really drop entries.
