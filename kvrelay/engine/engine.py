@@ -39,6 +39,7 @@ class Engine:
         )  # fmt: skip
         log.info("prefix_cache=%s host_tier=%s role=%s", self.prefix_cache, host, cfg.role)
         self.eos_ids = set(self.src.config.eos_token_ids)
+        self.eos_tuple = tuple(sorted(self.eos_ids))  # the sampler's min_tokens mask
         self.grammar = GrammarBackend(
             self.src, self.src.config.vocab_size, sorted(self.eos_ids)
         )  # llguidance: built on the first grammar-constrained request
@@ -241,6 +242,7 @@ class Engine:
                 [r.generator for r in sampling],
                 self.grammar.bitmask(sampling),  # None when no request is constrained
                 self.cfg.deterministic,
+                self.eos_tuple,
             )
         except Exception as e:  # a broken batch fails its requests, never the engine
             self.failed_steps += 1  # /health turns 503 when they keep failing (a sticky error)

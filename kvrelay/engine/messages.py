@@ -23,6 +23,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     grammar: str | None = None
     # None: none; n >= 0: each prompt token's logprob (from the prefill) plus n top alternatives.
     prompt_logprobs: int | None = None
+    # EOS and stop_token_ids are masked until the output has this many tokens (vLLM's).
+    min_tokens: int = 0
 
 
 class AddRequest(msgspec.Struct, tag=True):

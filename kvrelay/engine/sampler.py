@@ -1,5 +1,9 @@
-"""Per-request sampling: penalties, grammar bitmask, temperature, top-k, top-p, min-p, seeds, and
-logprobs.
+"""Per-request sampling: penalties, grammar bitmask, min_tokens, temperature, top-k, top-p, min-p,
+seeds, and logprobs.
+
+min_tokens (vLLM's): until a request's output has that many tokens, its EOS ids (unless
+ignore_eos) and stop_token_ids get -inf, after the grammar's mask; a row the two masks together
+would leave empty keeps the grammar's choice (an output the grammar says is complete ends).
 
 Logprobs are those of the model's own distribution (log-softmax of the raw logits), as in vLLM.
 Random draws use each request's own generator, so a seeded request gives the same tokens whatever
@@ -62,6 +66,25 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
+def apply_min_tokens(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    outputs: list[list[int]],
+    eos_ids: tuple[int, ...],
+) -> None:
+    """In place: the tokens that would end an output shorter than its min_tokens are masked."""
+    for i, (p, out) in enumerate(zip(params, outputs, strict=True)):
+        if len(out) >= p.min_tokens:
+            continue
+        ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+        ids = [t for t in ids if t < logits.shape[1]]
+        if not ids:
+            continue
+        row = logits[i].index_fill(0, torch.tensor(ids, device=logits.device), float("-inf"))
+        if bool(torch.isfinite(row).any()):
+            logits[i] = row
+
+
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p on the rows that sample; returns probabilities."""
     dev = logits.device
@@ -96,17 +119,21 @@ def sample(
     generators: list[torch.Generator],
     bitmask: torch.Tensor | None = None,
     deterministic: bool = False,
+    eos_ids: tuple[int, ...] = (),
 ) -> SampleResult:
     """logits: [N, V] float32, one row per request that samples this step. bitmask: int32
     [N, ceil(V/32)] of allowed tokens (grammar-constrained rows; the others all ones), or None.
     Logprobs stay those of the model's own distribution (the mask does not renormalize them).
     `deterministic`: the vocabulary reductions (softmax, sums, log-softmax) run one row per
-    call, so they see [1, V] whatever the batch (batch-invariant mode)."""
+    call, so they see [1, V] whatever the batch (batch-invariant mode). `eos_ids`: the model's
+    EOS tokens, masked with stop_token_ids for outputs shorter than their min_tokens."""
     raw = logits
     logits = logits.clone()
     _apply_penalties(logits, params, outputs)
     if bitmask is not None:
         apply_token_bitmask(logits, bitmask)
+    if any(p.min_tokens > len(out) for p, out in zip(params, outputs, strict=True)):
+        apply_min_tokens(logits, params, outputs, eos_ids)
     chosen = logits.argmax(dim=1)
     rows = [i for i, p in enumerate(params) if p.temperature > 0]
     if rows:

@@ -29,7 +29,7 @@ from kvrelay.server import openai_format as fmt
 from kvrelay.server import prompt_logprobs as plp
 from kvrelay.server import sglang_api as sglang
 from kvrelay.server import structured
-from kvrelay.server.chat_format import ChatFormat
+from kvrelay.server.chat_format import ChatFormat, UnsupportedField
 from kvrelay.server.chat_output import ChatOutputParser, delta_dict, message_dict
 from kvrelay.server.engine_client import EngineClient, EngineDead
 from kvrelay.server.errors import (
@@ -261,8 +261,11 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         chat_format = state.chat_format
         try:  # off the event loop: a long prompt must not stall other requests' streams
             prompt_ids = await asyncio.to_thread(chat_format.prompt_ids, req)
+        except UnsupportedField as e:
+            raise bad_request(str(e), e.param) from None
         except (ValueError, TypeError, TemplateError) as e:  # what the messages made it raise
             raise bad_request(f"the messages cannot be rendered: {e}", "messages") from None
+        prompt_ids = _truncate(req, prompt_ids)
         grammar = await asyncio.to_thread(structured.chat_grammar, req, chat_format)
         gens = _start_n(req, prompt_ids, grammar)
         rid, created = gens[0].rid, int(gens[0].created)
@@ -292,7 +295,9 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
                 "logprobs": None,
             }
             if req.logprobs:
-                choice["logprobs"] = fmt.chat_logprobs(state.tokenizer, deltas)
+                choice["logprobs"] = fmt.chat_logprobs(
+                    state.tokenizer, deltas, req.return_tokens_as_token_ids
+                )
             choices.append(choice)
         body = {
             "id": rid,
@@ -320,7 +325,10 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         )
         if not prompt_ids:
             raise bad_request("prompt is empty", "prompt")
-        grammar = await asyncio.to_thread(structured.response_format_grammar, req.response_format)
+        truncated = _truncate(req, prompt_ids)
+        if len(truncated) < len(prompt_ids):
+            prompt, prompt_ids = truncated, truncated  # echo shows what the model read
+        grammar = await asyncio.to_thread(structured.completion_grammar, req)
         gens = _start_n(req, prompt_ids, grammar)
         rid, created = gens[0].rid, int(gens[0].created)
         echo = (
@@ -484,6 +492,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             logprobs=req.num_logprobs,
             grammar=grammar,
             prompt_logprobs=plp.wanted(req),
+            min_tokens=getattr(req, "min_tokens", 0),
         )
         prefix = prefix or ("chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl")
         rid = rid or f"{prefix}-{uuid.uuid4().hex}"
@@ -502,7 +511,14 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             state.metrics,
             cfg.request_timeout_s,
             pd=pd,
+            min_tokens=getattr(req, "min_tokens", 0),
+            include_stop=getattr(req, "include_stop_str_in_output", False),
         )
+
+    def _truncate(req, prompt_ids: list[int]) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the last N tokens of the prompt."""
+        n = req.truncate_prompt_tokens
+        return prompt_ids if n is None or len(prompt_ids) <= n else prompt_ids[-n:]
 
     def _start_n(req, prompt_ids: list[int], grammar: str | None) -> list[Generation]:
         """The request's n samples: engine requests <id>, <id>-1, ... (one response id), one
@@ -599,7 +615,9 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         reason = _finish_reason(d.finish_reason, parser)
         choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
         if req.logprobs and d.token_ids:
-            choice["logprobs"] = fmt.chat_logprobs(state.tokenizer, [d])
+            choice["logprobs"] = fmt.chat_logprobs(
+                state.tokenizer, [d], req.return_tokens_as_token_ids
+            )
         return {
             "id": rid,
             "object": "chat.completion.chunk",
@@ -613,10 +631,11 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
     ) -> dict:
         """Legacy `logprobs` of these deltas' tokens (from text offset `offset`), led by the
         prompt's with echo (in the first chunk of a stream)."""
-        out = fmt.completion_logprobs(state.tokenizer, deltas, offset)
+        as_ids = req.return_tokens_as_token_ids
+        out = fmt.completion_logprobs(state.tokenizer, deltas, offset, as_ids)
         if req.echo and first:
             entries = plp.first(deltas)
-            prompt = plp.legacy(state.tokenizer, prompt_ids, entries, req.logprobs)
+            prompt = plp.legacy(state.tokenizer, prompt_ids, entries, req.logprobs, as_ids)
             out = plp.merge(prompt, out)
         return out
 

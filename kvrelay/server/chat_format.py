@@ -27,6 +27,14 @@ from kvrelay.server.tools.tool_prompt import (
 log = logging.getLogger("kvrelay.api")
 
 
+class UnsupportedField(ValueError):
+    """A request field this chat format cannot honour (the API's 400 names it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param} {message}")
+        self.param = param
+
+
 def parses_tools(req: ChatCompletionRequest) -> bool:
     return bool(req.tools) and req.tool_choice != "none"
 
@@ -77,7 +85,16 @@ class ChatFormat:
         """Raises ValueError (the API's 400) when the messages cannot be encoded."""
         if not self.dsv4:
             tools = None if self.inject_tools else req.tool_dicts
-            return apply_chat_template(self.tokenizer, self.messages(req), tools)
+            cont = req.continue_final_message
+            gen_prompt = not cont and req.add_generation_prompt is not False
+            return apply_chat_template(self.tokenizer, self.messages(req), tools, gen_prompt, cont)
+        if req.continue_final_message or req.add_generation_prompt is False:
+            field = (
+                "continue_final_message" if req.continue_final_message else "add_generation_prompt"
+            )
+            raise UnsupportedField(
+                field, "is not supported by this model's chat encoder (DeepSeek-V4)"
+            )
         thinking, effort = dsv4_thinking(req)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         text = encode_messages(messages, req.tool_dicts, thinking=thinking, reasoning_effort=effort)

@@ -1,4 +1,8 @@
-"""One request's life in the API process: engine tokens in, text deltas out, stop strings applied."""
+"""One request's life in the API process: engine tokens in, text deltas out, stop strings applied.
+
+Stop strings as vLLM applies them: one counts only where it ends in text of an output token past
+`min_tokens` (the engine masks EOS and stop tokens until then); the output is cut before it, or
+after it with include_stop_str_in_output."""
 
 from __future__ import annotations
 
@@ -43,6 +47,8 @@ class Generation:
     pd: PDParams | None = None  # PD mode: this side's part of a disaggregated request
     matched_stop: str | None = None  # the stop string that ended the output, if one did
     group: str | None = None  # n samples: the group sharing the prompt's KV (AddRequest.group)
+    min_tokens: int = 0  # no stop string ends the output before this many tokens
+    include_stop: bool = False  # the matched stop string stays in the output
 
     async def deltas(self) -> AsyncIterator[Delta]:
         q = await self.client.submit(self.rid, self.prompt_ids, self.params, self.pd, self.group)
@@ -51,6 +57,7 @@ class Generation:
             max((len(s) for s in self.stops), default=1) - 1
         )  # chars that may start a stop string
         pending = ""  # decoded text not yet released (it may begin a stop string)
+        floor = 0  # a stop string must end past this index of `pending` (min_tokens)
         start = time.perf_counter()
         first_at = None
         try:
@@ -82,13 +89,18 @@ class Generation:
                     new += detok.flush()
                 pending += new
                 reason = out.finish_reason
-                hit = _find_stop(pending, self.stops)
+                if self.completion_tokens <= self.min_tokens:
+                    floor = len(pending)  # this text is the first min_tokens tokens'
+                hit = _find_stop(pending, self.stops, floor)
                 if hit is not None:
                     cut, self.matched_stop = hit
+                    if self.include_stop:
+                        cut += len(self.matched_stop)
                     pending, reason = pending[:cut], "stop"
                 done = reason is not None
                 release = pending if done else pending[: max(len(pending) - hold, 0)]
                 pending = pending[len(release) :]
+                floor = max(floor - len(release), 0)
                 yield Delta(
                     release,
                     out.token_ids,
@@ -119,7 +131,8 @@ class Generation:
             m.tpot.observe((end - first_at) / (self.completion_tokens - 1))
 
 
-def _find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
-    """(where, which) of the earliest stop string in `text`."""
-    hits = [(i, s) for i, s in ((text.find(s), s) for s in stops) if i >= 0]
+def _find_stop(text: str, stops: list[str], floor: int = 0) -> tuple[int, str] | None:
+    """(where, which) of the earliest stop string in `text` that ends past index `floor`."""
+    found = ((text.find(s, max(floor - len(s) + 1, 0)), s) for s in stops)
+    hits = [(i, s) for i, s in found if i >= 0]
     return min(hits) if hits else None

@@ -5,17 +5,21 @@ from __future__ import annotations
 from kvrelay.server.generation import Delta
 
 
-def token_text(tokenizer, token_id: int) -> str:
+def token_text(tokenizer, token_id: int, as_id: bool = False) -> str:
+    """A token as logprobs show it: its text, or vLLM's "token_id:<id>" (`as_id`, the
+    request's return_tokens_as_token_ids)."""
+    if as_id:
+        return f"token_id:{token_id}"
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def chat_logprobs(tokenizer, deltas: list[Delta]) -> dict:
+def chat_logprobs(tokenizer, deltas: list[Delta], as_ids: bool = False) -> dict:
     content = []
     for d in deltas:
         for i, tok in enumerate(d.token_ids):
             if i >= len(d.logprobs):
                 break
-            text = token_text(tokenizer, tok)
+            text = token_text(tokenizer, tok, as_ids)
             content.append(
                 {
                     "token": text,
@@ -23,7 +27,7 @@ def chat_logprobs(tokenizer, deltas: list[Delta]) -> dict:
                     "bytes": list(text.encode()),
                     "top_logprobs": [
                         {
-                            "token": (t := token_text(tokenizer, a.token_id)),
+                            "token": (t := token_text(tokenizer, a.token_id, as_ids)),
                             "logprob": a.logprob,
                             "bytes": list(t.encode()),
                         }
@@ -34,7 +38,10 @@ def chat_logprobs(tokenizer, deltas: list[Delta]) -> dict:
     return {"content": content}
 
 
-def completion_logprobs(tokenizer, deltas: list[Delta], offset: int = 0) -> dict:
+def completion_logprobs(
+    tokenizer, deltas: list[Delta], offset: int = 0, as_ids: bool = False
+) -> dict:
+    """Offsets stay those of the text (a token shown as its id still spans its text)."""
     tokens, lps, tops, offsets = [], [], [], []
     pos = offset
     for d in deltas:
@@ -42,12 +49,12 @@ def completion_logprobs(tokenizer, deltas: list[Delta], offset: int = 0) -> dict
             if i >= len(d.logprobs):
                 break
             text = token_text(tokenizer, tok)
-            tokens.append(text)
+            tokens.append(token_text(tokenizer, tok, True) if as_ids else text)
             lps.append(d.logprobs[i])
             offsets.append(pos)
             pos += len(text)
             top = d.top_logprobs[i] if i < len(d.top_logprobs) else []
-            tops.append({token_text(tokenizer, a.token_id): a.logprob for a in top})
+            tops.append({token_text(tokenizer, a.token_id, as_ids): a.logprob for a in top})
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 

@@ -69,17 +69,21 @@ def _texts(tokenizer, prompt_ids: list[int], entries: list[PromptLogprob]) -> di
     return dict(zip(order, texts, strict=True))
 
 
-def legacy(tokenizer, prompt_ids: list[int], entries: list[PromptLogprob], k: int) -> dict:
-    """The prompt's part of a legacy completions `logprobs` object (offsets from 0 in the echo)."""
+def legacy(
+    tokenizer, prompt_ids: list[int], entries: list[PromptLogprob], k: int, as_ids: bool = False
+) -> dict:
+    """The prompt's part of a legacy completions `logprobs` object (offsets from 0 in the echo);
+    `as_ids`: tokens shown as "token_id:<id>" (return_tokens_as_token_ids)."""
     text = _texts(tokenizer, prompt_ids, entries)
-    tokens = [text[t] for t in prompt_ids]
+    shown = (lambda t: f"token_id:{t}") if as_ids else text.__getitem__
+    tokens = [shown(t) for t in prompt_ids]
     offsets, pos = [], 0
-    for t in tokens:
+    for t in prompt_ids:
         offsets.append(pos)
-        pos += len(t)
+        pos += len(text[t])
     lps: list[float | None] = [None] + [_finite(e.logprob) for e in entries]
     tops: list[dict | None] = [None] + [
-        {text[a.token_id]: _finite(a.logprob) for a in e.top[:k]} for e in entries
+        {shown(a.token_id): _finite(a.logprob) for a in e.top[:k]} for e in entries
     ]
     if len(lps) != len(tokens):
         raise ValueError(f"{len(entries)} prompt logprobs for a prompt of {len(tokens)} tokens")

@@ -24,6 +24,14 @@ TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Positive = Annotated[int, Field(ge=1, le=INT32_MAX)]
 
 
+class FieldError(ValueError):
+    """A check across fields that names the one to blame (validation.py reads `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
 def stop_list(v) -> list[str]:
     """`stop` as a list: one string or a list of at most 16 non-empty strings."""
     stops = [v] if isinstance(v, str) else (v or [])
@@ -32,12 +40,13 @@ def stop_list(v) -> list[str]:
     return stops
 
 
+# strict: a value of the declared type only (a boolean is not an integer, "5" is not a number).
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Open):
@@ -63,6 +72,39 @@ class ResponseFormat(_Strict):
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("type json_schema needs a json_schema object")
         return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: one of choice, json, regex, grammar, json_object (any other
+    key, structural_tag included, is refused: extra="forbid")."""
+
+    choice: list[str] | None = Field(default=None, min_length=1, max_length=1024)
+    json_: dict[str, Any] | str | bool | None = Field(default=None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _one(self):
+        given = self.given()
+        if len(given) > 1:
+            raise FieldError(
+                given[1],
+                f"give one of choice, json, regex, grammar, json_object, not {' and '.join(given)}",
+            )
+        return self
+
+    def given(self) -> list[str]:
+        out = [k for k in ("choice", "regex", "grammar") if getattr(self, k) is not None]
+        if self.json_ is not None:
+            out.append("json")
+        if self.json_object:
+            out.append("json_object")
+        return out
+
+
+# vLLM's structured-output fields (honoured: structured.py); at most one constraint per request.
+GUIDED = ("guided_choice", "guided_json", "guided_regex", "guided_grammar", "structured_outputs")
 
 
 class _Sampling(_Open):
@@ -91,11 +133,40 @@ class _Sampling(_Open):
     # vLLM's extras with the values that change nothing; any other value is refused.
     repetition_penalty: float | None = Field(default=None, description="only 1 is supported")
     logit_bias: dict[str, float] | None = Field(default=None, description="not supported")
+    # vLLM's extras, honoured: EOS and stop tokens/strings cannot end the output before
+    # min_tokens tokens; the matched stop string kept; the prompt cut to its last N tokens;
+    # logprobs' tokens as "token_id:<id>"; structured outputs (structured.py).
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: Positive | None = None
+    return_tokens_as_token_ids: bool = False
+    guided_choice: list[str] | None = Field(default=None, min_length=1, max_length=1024)
+    guided_json: dict[str, Any] | str | bool | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's with the neutral value only: other values are refused, never ignored.
+    guided_whitespace_pattern: None = Field(default=None, description="not supported")
+    guided_decoding_backend: str | None = Field(default=None, description="ignored: llguidance")
 
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):
         return stop_list(v)
+
+    @model_validator(mode="after")
+    def _sampling_checks(self):
+        given = [k for k in GUIDED if getattr(self, k) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            raise FieldError(
+                given[1], f"give one structured-output constraint, not {' and '.join(given)}"
+            )
+        limit = getattr(self, "max_completion_tokens", None) or self.max_tokens
+        if limit is not None and self.min_tokens > limit:
+            raise FieldError("min_tokens", f"{self.min_tokens} is more than max_tokens ({limit})")
+        return self
 
     @field_validator("logit_bias")
     @classmethod
@@ -182,6 +253,10 @@ class ChatCompletionRequest(_Sampling):
     # Thinking switch as vLLM/SGLang read it for DeepSeek: {"thinking": true} (or enable_thinking).
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    # vLLM's: the template continues the last (assistant) message instead of opening a new
+    # turn; add_generation_prompt false renders no assistant header (HF templates only).
+    continue_final_message: bool = False
+    add_generation_prompt: bool | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -206,6 +281,15 @@ class ChatCompletionRequest(_Sampling):
     def _merge(self):
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise FieldError(
+                    "add_generation_prompt", "cannot be true with continue_final_message"
+                )
+            if self.messages[-1].role != "assistant":
+                raise FieldError(
+                    "continue_final_message", "the last message must be the assistant's"
+                )
         return self
 
     @property

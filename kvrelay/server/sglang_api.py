@@ -29,7 +29,7 @@ SGLANG_MAX_NEW_TOKENS = 128  # SGLang's default
 
 class SGLangSamplingParams(BaseModel):
     # Unknown names are refused: each of SGLang's other parameters changes the output.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     max_new_tokens: Positive | None = SGLANG_MAX_NEW_TOKENS
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -59,7 +59,7 @@ class SGLangSamplingParams(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     text: str | list[str] | None = None
     input_ids: list[TokenId] | list[list[TokenId]] | None = None

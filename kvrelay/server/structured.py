@@ -9,6 +9,10 @@ a schema it cannot honour is a 400 naming the feature (and the field), never an 
   (enforced whether `strict` is true or not; unsupported keywords are refused, not ignored).
 - tool_choice "required" or a named function: the model's own tool-call format
   (tools/tool_grammar.py); it wins over response_format. "auto" and "none" add no grammar.
+- vLLM's guided_choice (the output is one of the strings, verbatim), guided_json (a schema,
+  as an object or JSON text), guided_regex, guided_grammar (GBNF or Lark), and its newer
+  `structured_outputs` {choice | json | regex | grammar | json_object}. One constraint per
+  request (schemas.py refuses two); with a forced tool_choice they are a 400 too.
 """
 
 from __future__ import annotations
@@ -74,10 +78,87 @@ def response_format_grammar(rf: ResponseFormat | None) -> str | None:
     return json_schema_grammar(schema, "response_format")
 
 
+def choice_regex(choices: list[str]) -> str:
+    """A regex matching exactly one of `choices`: every character that is not a letter or a
+    digit written as its code point (\\x{..}), so that nothing in a choice is regex syntax."""
+
+    def esc(c: str) -> str:
+        return c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):x}}}"
+
+    return "(" + "|".join("".join(esc(c) for c in choice) for choice in choices) + ")"
+
+
+def _schema_of(value, param: str) -> dict[str, Any]:
+    """guided_json's schema: an object, JSON text of one, or true (any JSON)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise bad_request(f"{param}: not JSON: {e}", param) from None
+    if value is True:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request(f"{param}: a JSON schema is an object (or true)", param)
+    return value
+
+
+def _regex_grammar(regex: str, param: str, what: str = "this regex") -> str:
+    from llguidance import LLMatcher
+
+    try:
+        grammar = LLMatcher.grammar_from_regex(regex)
+    except Exception as e:  # whatever the client's regex makes llguidance raise is a 400
+        raise bad_request(f"{param}: {what} is not supported: {e}", param) from None
+    return _check(grammar, param, what)
+
+
+def _ebnf_grammar(text: str, param: str) -> str:
+    from llguidance import grammar_from
+
+    try:
+        grammar = grammar_from("ebnf", text)
+    except ValueError as e:
+        raise bad_request(f"{param}: this grammar is not supported: {e}", param) from None
+    return _check(grammar, param, "this grammar")
+
+
+def guided_grammar(req) -> tuple[str, str] | None:
+    """(grammar, field) of vLLM's guided_* / structured_outputs fields (None: none given)."""
+    so = req.structured_outputs
+    given = [
+        (k, getattr(req, k))
+        for k in ("guided_choice", "guided_json", "guided_regex", "guided_grammar")
+        if getattr(req, k) is not None
+    ]
+    if so is not None:
+        kind = (so.given() or [None])[0]
+        if kind is None:
+            return None
+        value = so.json_ if kind == "json" else getattr(so, kind)
+        given = [(f"structured_outputs.{kind}", value)]
+    if not given:
+        return None
+    param, value = given[0]
+    kind = param.rsplit("_", 1)[-1].rsplit(".", 1)[-1]
+    if kind == "choice":
+        return _regex_grammar(choice_regex(value), param, "this choice"), param
+    if kind == "json":
+        return json_schema_grammar(_schema_of(value, param), param), param
+    if param == "structured_outputs.json_object":
+        return json_schema_grammar(ANY_OBJECT, param), param
+    if kind == "regex":
+        return _regex_grammar(value, param), param
+    return _ebnf_grammar(value, param), param
+
+
+def completion_grammar(req) -> str | None:
+    """The grammar a completions request's output must match (None: unconstrained)."""
+    guided = guided_grammar(req)
+    return guided[0] if guided is not None else response_format_grammar(req.response_format)
+
+
 def sglang_grammar(p) -> str | None:
     """SGLang's sampling_params json_schema (JSON text), regex or ebnf (at most one)."""
-    from llguidance import LLMatcher, grammar_from
-
     given = [k for k in ("json_schema", "regex", "ebnf") if getattr(p, k) is not None]
     if not given:
         return None
@@ -96,12 +177,8 @@ def sglang_grammar(p) -> str | None:
             raise bad_request(f"{param}: a JSON schema is an object (or true)", param)
         return json_schema_grammar(schema, param)
     if kind == "regex":
-        return _check(LLMatcher.grammar_from_regex(text), param, "this regex")
-    try:
-        grammar = grammar_from("ebnf", text)
-    except ValueError as e:
-        raise bad_request(f"{param}: this grammar is not supported: {e}", param) from None
-    return _check(grammar, param, "this grammar")
+        return _regex_grammar(text, param)
+    return _ebnf_grammar(text, param)
 
 
 def forced_functions(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
@@ -146,4 +223,12 @@ def _think_end(tokenizer) -> str:
 def chat_grammar(req: ChatCompletionRequest, chat_format) -> str | None:
     """The grammar a chat request's output must match (None: unconstrained)."""
     grammar = tool_choice_grammar(req, chat_format)
-    return grammar if grammar is not None else response_format_grammar(req.response_format)
+    guided = guided_grammar(req)
+    if grammar is not None and guided is not None:
+        param = guided[1].split(".")[0]
+        raise bad_request(
+            f"{param}: give one structured-output constraint, not tool_choice and {param}", param
+        )
+    if grammar is not None:
+        return grammar
+    return guided[0] if guided is not None else response_format_grammar(req.response_format)

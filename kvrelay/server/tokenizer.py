@@ -19,12 +19,21 @@ def load_tokenizer(src: ModelSource):
 
 
 def apply_chat_template(
-    tokenizer, messages: list[dict], tools: list[dict] | None = None
+    tokenizer,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> list[int]:
+    """`continue_final_message`: the last message left open (no end-of-turn), to be continued."""
     if not tokenizer.chat_template:
         raise ValueError("this model has no chat template; use /v1/completions")
     out = tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=True, tokenize=True
+        messages,
+        tools=tools,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        tokenize=True,
     )
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 

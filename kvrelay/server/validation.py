@@ -10,6 +10,7 @@ import math
 from pydantic import BaseModel, ValidationError
 
 from kvrelay.server.errors import APIError, bad_request
+from kvrelay.server.schemas import FieldError
 
 MAX_DEPTH = 64  # JSON nesting; deeper bodies are refused before anything walks them recursively
 
@@ -99,7 +100,7 @@ def validate(schema: type[BaseModel], data: dict) -> BaseModel:
 
 
 def _schema_error(e: ValidationError, data: dict) -> APIError:
-    errors = [(_data_path(err["loc"], data), _message(err)) for err in e.errors()]
+    errors = [(_param(err, data), _message(err)) for err in e.errors()]
     # A union reports one error per member: the one deepest into the request says most (a
     # list of ints with one too large: that element), and those on the same field go together.
     param = max(errors, key=lambda pe: len(pe[0] or ""))[0]
@@ -111,9 +112,22 @@ def _schema_error(e: ValidationError, data: dict) -> APIError:
     return bad_request(f"{param}: {msg}" if param else msg, param)
 
 
+def _param(err: dict, data: dict) -> str | None:
+    cause = (err.get("ctx") or {}).get("error")
+    prefix = _data_path(err["loc"], data)
+    if isinstance(cause, FieldError):  # a check across fields names its field itself
+        return f"{prefix}.{cause.param}" if prefix else cause.param
+    return prefix
+
+
 def _message(err: dict) -> str:
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldError):
+        return str(cause).removeprefix(f"{cause.param}: ")
     if err["type"] == "extra_forbidden":
         return "this field is not supported"
+    if isinstance(err.get("input"), bool) and err["type"] in ("int_type", "float_type"):
+        return f"{err['msg']} (a boolean is not a number)"
     return err["msg"].removeprefix("Value error, ")
 
 

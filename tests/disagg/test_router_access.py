@@ -127,6 +127,19 @@ HOSTILE = [
     (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1}',
      "prompt_logprobs"),
     (b'{"model": "m", "prompt": "hi", "n": 2}', "n"),  # one transfer per request: a 400
+    # A boolean is not an integer; vLLM's extras are checked as the servers check them.
+    (b'{"model": "m", "prompt": "hi", "max_tokens": true}', "max_tokens"),
+    (b'{"model": "m", "prompt": "hi", "top_k": true}', "top_k"),
+    (b'{"input_ids": [true, false]}', "input_ids[0]"),
+    (b'{"model": "m", "prompt": "hi", "max_tokens": 2, "min_tokens": 3}', "min_tokens"),
+    (b'{"model": "m", "prompt": "hi", "response_format": {"type": "json_object"}, '
+     b'"guided_json": {}}', "guided_json"),
+    (b'{"model": "m", "prompt": "hi", "structured_outputs": {"choice": ["a"], "regex": "a"}}',
+     "structured_outputs.regex"),
+    (b'{"model": "m", "prompt": "hi", "guided_whitespace_pattern": " "}',
+     "guided_whitespace_pattern"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], '
+     b'"continue_final_message": true}', "continue_final_message"),
 ]  # fmt: skip
 
 
@@ -134,6 +147,7 @@ HOSTILE = [
 def test_hostile_bodies_are_400s_before_any_routing(router, body, param):
     """The servers behind are absent: a 400 naming the field shows nothing was routed."""
     path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+    path = "/generate" if b"input_ids" in body else path
     before = router_metric(router, "http_400")
     for stream in (False, True):
         data = body.replace(b"{", b'{"stream": true, ', 1) if stream else body

@@ -236,3 +236,29 @@ def test_top_logprobs_longer_than_vocab_are_clamped() -> None:
     ]
     res = sample(logits, params, [[], []], [_gen(0), _gen(1)])
     assert len(res.top_logprobs[0]) == 5 and len(res.top_logprobs[1]) == 2
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_the_output_is_long_enough() -> None:
+    """vLLM's min_tokens: EOS (unless ignore_eos) and stop_token_ids cannot be drawn while the
+    output is shorter; from then on (and in rows without it) nothing changes; a grammar row
+    left with nothing but an ending token keeps it."""
+    logits = torch.full((5, 8), -5.0)
+    logits[:, 3] = 5.0  # EOS, the most likely
+    logits[:, 6] = 4.0  # a stop token id, next
+    logits[:, 1] = 3.0
+    p = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(6,))
+    outputs = [[], [9], [9, 9], [], []]
+    params = [
+        p,
+        p,
+        p,
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True),
+    ]
+    gens = [_gen(i) for i in range(5)]
+    res = sample(logits, params, outputs, gens, eos_ids=(3,))
+    assert res.token_ids == [1, 1, 3, 3, 3]
+    only_eos = torch.zeros(1, 1, dtype=torch.int32)
+    only_eos[0, 0] = 1 << 3  # the grammar allows token 3 alone
+    res = sample(logits[:1], [p], [[]], [_gen(0)], only_eos, eos_ids=(3,))
+    assert res.token_ids == [3]
