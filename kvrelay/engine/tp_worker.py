@@ -39,8 +39,11 @@ def init_distributed(rank: int, world: int, addr: str, port: int, device: str = 
 def follower_main(
     cfg: EngineConfig, rank: int, addr: str, port: int, src: ModelSource | None = None
 ) -> None:
-    """A rank > 0: build this rank's runner, then run rank 0's steps until it says stop."""
-    from kvrelay.engine.process import die_with_parent, setup_logging
+    """A rank > 0: build this rank's runner, then run rank 0's steps until it says stop; then
+    the process ends at once (exit code 0), as the engine does after a clean stop: the
+    interpreter's teardown of torch.distributed's threads could abort (SIGABRT, "terminate called
+    without an active exception", seen once on a CPU machine) after every step had succeeded."""
+    from kvrelay.engine.process import die_with_parent, exit_now, setup_logging
     from kvrelay.engine.runner import make_runner
 
     setup_logging()
@@ -56,6 +59,7 @@ def follower_main(
         runner.follow()
     finally:
         dist.destroy_process_group()
+    exit_now()
 
 
 def check_supported(cfg: EngineConfig, src: ModelSource) -> None:
