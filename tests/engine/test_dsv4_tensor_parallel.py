@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed
+from conftest import end_rank
 
 from kvrelay.config import CacheConfig, EngineConfig
 from kvrelay.engine.engine import Engine, generate
@@ -127,6 +128,7 @@ def _rank(rank: int, port: int, cfg: EngineConfig, results) -> None:
     finally:
         engine.runner.stop_followers()
         torch.distributed.destroy_process_group()
+    end_rank(results)
 
 
 def _free_port() -> int:

@@ -15,6 +15,7 @@ import msgspec
 import pytest
 import torch
 import torch.distributed
+from conftest import end_rank
 
 from kvrelay.config import CacheConfig, EngineConfig
 from kvrelay.disagg.pieces import gather, piece_rows
@@ -119,6 +120,7 @@ def _rank(rank: int, port: int, name: str, results) -> None:
     finally:
         engine.runner.stop_followers()
         torch.distributed.destroy_process_group()
+    end_rank(results)
 
 
 def _free_port() -> int:

@@ -10,6 +10,7 @@ import socket
 
 import pytest
 import torch
+from conftest import end_rank
 
 from kvrelay.config import EngineConfig
 from kvrelay.layers.parallel import TPGroup
@@ -88,6 +89,7 @@ def _moe_rank(rank: int, port: int, mode: str, experts: str, results) -> None:
             results.put(outs)
     finally:
         dist.destroy_process_group()
+    end_rank(results)
 
 
 def _moe_input() -> tuple[torch.Tensor, torch.Tensor]:
