@@ -100,8 +100,8 @@ class Router:
             lambda n: httpx.AsyncClient(
                 timeout=timeout,
                 headers=headers,
-                # Idle connections expire before the servers' own keep-alive (uvicorn: 5 s):
-                # reusing one the server is closing fails the request.
+                # Idle connections expire long before the servers' own keep-alive (cli.py's
+                # KEEP_ALIVE_S): reusing one the server is closing fails the request.
                 limits=httpx.Limits(
                     max_connections=n, max_keepalive_connections=n, keepalive_expiry=2.0
                 ),
