@@ -388,12 +388,20 @@ class Relay:
         self.ended = False  # decode's stream reached its end (or broke): the client saw it all
         self.broken = False  # decode's stream broke (the client got an error event)
         self.closed = False
+        self.settled = False
 
     async def events(self):
         try:
             yield self.first + "\n\n"
             try:
                 async for line in self.lines:
+                    if line.strip() == "data: [DONE]":
+                        # Settled before the client sees it: a client that leaves on [DONE]
+                        # (the openai SDK does) got everything and must count as ok.
+                        self.ended = True
+                        self.settle()
+                        yield line + "\n\n"
+                        return
                     if line.strip():
                         yield line + "\n\n"
             except httpx.HTTPError as e:
@@ -404,9 +412,11 @@ class Relay:
                     "type": "server_error",
                     "code": "stream_broken",
                 }
-                yield f"data: {json.dumps({'error': err})}\n\n"
-                yield "data: [DONE]\n\n"
                 self.broken = True
+                yield f"data: {json.dumps({'error': err})}\n\n"
+                self.ended = True
+                self.settle()
+                yield "data: [DONE]\n\n"
             self.ended = True
         finally:
             await self.close()
@@ -418,10 +428,17 @@ class Relay:
         if not self.ended:
             self.router.disconnects.inc()
             log.info("client disconnected, aborting rid=%s", self.rid)
+        self.settle()
+        await self.dresp.aclose()
+
+    def settle(self) -> None:
+        """Count the outcome and free the request's slot, once."""
+        if self.settled:
+            return
+        self.settled = True
         outcome = "error" if self.broken else "ok" if self.ended else "client_disconnected"
         self.router.requests.labels(outcome=outcome).inc()
         self.router.release(self.lane)
-        await self.dresp.aclose()
 
 
 def create_router_app(cfg: RouterConfig, on_ready=None) -> FastAPI:

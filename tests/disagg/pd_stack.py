@@ -172,6 +172,9 @@ class PDStack:
                 *gauges,
             ):
                 vals[(side, k)] = m[k]
+        if self.router is not None:  # a stream's outcome is counted when its relay settles
+            k = "kvrelay_router_inflight_requests"
+            vals[("router", k)] = self.router.metric(k)
         return vals
 
     def wait_idle(self, timeout: float = 20.0) -> float:

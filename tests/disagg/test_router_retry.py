@@ -172,6 +172,23 @@ def test_outcomes_ok_error_and_client_disconnected_are_told_apart():
     assert _metric(r, "kvrelay_router_client_disconnects_total") == 1
     assert _metric(r, "kvrelay_router_requests_total", {"outcome": "ok"}) == 1  # not counted ok
 
+    async def leave_on_done(router: Router) -> float:
+        """As the openai SDK does: stop reading at [DONE], before decode's stream ends."""
+        resp = await router.route("/v1/completions", dict(BODY))
+        events = resp.body_iterator
+        async for event in events:
+            if event.startswith("data: [DONE]"):
+                break
+        ok_when_seen = _metric(router, "kvrelay_router_requests_total", {"outcome": "ok"})
+        await events.aclose()
+        await resp.background()
+        return ok_when_seen
+
+    assert asyncio.run(leave_on_done(r)) == 2  # counted before the client could read the metric
+    assert _metric(r, "kvrelay_router_requests_total", {"outcome": "ok"}) == 2
+    assert _metric(r, "kvrelay_router_requests_total", {"outcome": "client_disconnected"}) == 1
+    assert _metric(r, "kvrelay_router_inflight_requests") == 0
+
     broken = _router(Servers(decode_breaks=True))
     status, text = asyncio.run(_route(broken))
     assert '"stream_broken"' in text and text.endswith("data: [DONE]\n\n")  # error event, [DONE]
