@@ -32,6 +32,7 @@ class Dsv4GraphRunner:
         self.buckets = [b for b in BUCKETS if b <= max_bs]
         self.max_bs = self.buckets[-1]
         self.max_context = context_bucket(max_context, runner.page_size)
+        self.min_context = min(context_bucket(1, runner.page_size), self.max_context)
         n, dev = self.max_bs, runner.device
         max_pages = self.max_context // runner.page_size
 
@@ -83,7 +84,10 @@ class Dsv4GraphRunner:
         for v in self.valid.values():
             v[lo:hi].zero_()
 
-    def _capture(self, bs: int, ctx: int) -> None:
+    def capture(self, bs: int, ctx: int) -> None:
+        """The graph of (batch bucket, context bucket), unless it is there already."""
+        if (bs, ctx) in self.graphs:
+            return
         self._pad(0, bs)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -109,8 +113,7 @@ class Dsv4GraphRunner:
         b = len(input_ids)
         bs = next(x for x in self.buckets if x >= b)
         ctx = context_bucket(max(starts) + 1, self.runner.page_size)
-        if (bs, ctx) not in self.graphs:
-            self._capture(bs, ctx)
+        self.capture(bs, ctx)
         self._load(input_ids, starts, pages, slots, ctx)
         self._pad(b, bs)
         return self._replay(bs, ctx)[:b]

@@ -14,6 +14,7 @@ from kvrelay.config import EngineConfig
 from kvrelay.disagg.layout import PAGE, SLOT, CacheKind
 from kvrelay.engine import prompt_logprobs, tp_install
 from kvrelay.engine.dsv4_step import HEADER, Dsv4Step, plan_step, recv_step, send_step, send_stop
+from kvrelay.engine.dsv4_warm_up import warm_up
 from kvrelay.engine.prompt_logprobs import PromptRows, StepLogits
 from kvrelay.engine.runner import cache_budget, pick_device, pick_dtype
 from kvrelay.engine.scheduler import ScheduledRequest
@@ -89,6 +90,7 @@ class DeepseekV4Runner:
             from kvrelay.engine.dsv4_graphs import Dsv4GraphRunner
 
             self.graphs = Dsv4GraphRunner(self, cfg.max_cuda_graph_batch, self.max_model_len)
+        warm_up(self)  # compiled before ready: a first burst must not wait for torch.compile
         log.info(
             "runner ready model=deepseek_v4 device=%s dtype=%s pages=%d page_size=%d "
             "slots=%d max_model_len=%d index_k=%s tp_rank=%d/%d expert_parallel=%s ep_dispatch=%s",

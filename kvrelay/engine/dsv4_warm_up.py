@@ -1,0 +1,62 @@
+"""Compile DeepSeek-V4's fast path before the engine reports ready.
+
+The fused glue (models/deepseek_v4/fusion.py) compiles on first use: on the H200 the first
+prefill step of a fresh server spent ~30 s in torch.compile, long enough for a PD decode
+server's reservations to expire behind it (127 transfer timeouts in the first burst). Here a few
+steps on padding only run first: every sequence in the dummy page 0 and state slot 0, which no
+request is ever handed, so no live state is touched. Shapes: one sequence (dynamo compiles it
+static), then other token and sequence counts (it recompiles them dynamic, which later steps of
+any size reuse), and a single token (sizes 0 and 1 are always specialised); then the decode
+graphs of the two smallest batch buckets.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kvrelay.cache.paging import pages_for
+from kvrelay.engine.dsv4_step import Dsv4Step
+
+log = logging.getLogger("kvrelay.runner")
+
+
+def warm_up_shapes(page_size: int, max_tokens: int) -> list[list[int]]:
+    """New-token counts per sequence of each warm-up step, within the step's token budget."""
+    first = min(page_size + 3, max_tokens - 1)  # the second's total differs from it
+    shapes = [[first], [2, min(2 * page_size + 7, max_tokens - 2)], [1, 1, 1], [1]]
+    return [c for c in shapes if min(c) >= 1 and sum(c) <= max_tokens]
+
+
+def padding_step(counts: list[int], page_size: int) -> Dsv4Step:
+    """Sequences of `counts` new tokens from position 0, all in page 0 and state slot 0."""
+    ends = [sum(counts[: i + 1]) for i in range(len(counts))]
+    return Dsv4Step(
+        ids=[0] * ends[-1],
+        starts=[0] * len(counts),
+        counts=counts,
+        pages=[[0] * pages_for(c, page_size) for c in counts],
+        slots=[0] * len(counts),
+        rows=[e - 1 for e in ends],
+        n_sampled=len(counts),
+    )
+
+
+@torch.inference_mode()
+def warm_up(runner) -> None:
+    """Run the padding steps and capture the smallest decode graphs (the fast path on a GPU)."""
+    if runner.device.type != "cuda" or runner.kernels is None or runner.tp.is_parallel:
+        return
+    t0 = time.monotonic()
+    max_tokens = runner.cfg.scheduler.max_num_batched_tokens
+    shapes = warm_up_shapes(runner.page_size, max_tokens)
+    for counts in shapes:
+        runner._forward_step(padding_step(counts, runner.page_size), None)
+    graphs = runner.graphs
+    if graphs is not None:
+        for bs in graphs.buckets[:2]:
+            graphs.capture(bs, graphs.min_context)
+    torch.cuda.synchronize()
+    log.info("warm-up compiled steps=%d in %.1fs", len(shapes), time.monotonic() - t0)
