@@ -4,7 +4,8 @@ Transport threads only decode frames (and verify checksums, which is pure CPU wo
 every state change happens on the engine thread in `poll()`, so the scheduler and the KV pool are
 never touched from two threads. The handshake (handshake.py) runs on the transport threads too:
 until a connection's peer has proved it holds the PD secret, any message but the handshake's
-closes the connection, and no frame may carry a payload.
+(a heartbeat too) closes the connection, and no frame may carry a payload; a peer is sent
+heartbeats, and watched for silence, only once it has authenticated.
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ class TransferAgent:
         return f"{peer.role} cache layout {peer.layout} differs from {self.role}'s {self.layout} ({why})"
 
     def _on_message(self, conn: Connection, header: bytes, payload: memoryview) -> None:
-        self.track(conn)
+        if conn in self._authed:  # only a peer that proved itself is kept alive (and pinged)
+            self.track(conn)
         try:
             msg = P.decode(header)
         except msgspec.DecodeError as e:  # ValidationError too: a field beyond its limits
@@ -154,9 +156,7 @@ class TransferAgent:
             self._on_bad_message(conn, str(e))
             raise ConnectionError(f"undecodable frame header: {e}") from e
         if conn not in self._authed:
-            if isinstance(msg, P.Heartbeat):
-                return
-            if not isinstance(msg, P.Hello | P.Auth | P.Failure):
+            if not isinstance(msg, P.Hello | P.Auth | P.Failure):  # heartbeats too
                 log.warning(
                     "transfer peer refused peer=%s cause=%s message=%s before the handshake",
                     conn.peer,
@@ -166,6 +166,8 @@ class TransferAgent:
                 self._count_event("peer_unauthenticated")
                 raise ConnectionError(f"{type(msg).__name__} before the handshake completed")
             self._on_handshake(conn, msg)
+            if conn in self._authed:  # our own proof is sent: heartbeats may follow it now
+                self.track(conn)
             return
         ok = True
         if isinstance(msg, P.ChunkHeader) and not msg.in_place:  # in place: checked on install
@@ -190,6 +192,7 @@ class TransferAgent:
     def _authenticated(self, conn: Connection) -> None:
         self._authed.add(conn)
         conn.max_payload = self.max_payload if self.role == "decode" else 0  # prefill gets none
+        conn.authenticated()  # the backend may now give it a reader of its own
 
     # -- engine thread -----------------------------------------------------------------------------
 
@@ -210,7 +213,7 @@ class TransferAgent:
     def _count_event(self, event: str) -> None:
         """A bootstrap event: peer_connected, peer_restarted, peer_lost, peer_silent,
         layout_mismatch, handshake_timeout, connect_failed, ipc_open_failed,
-        peer_unauthenticated, protocol_mismatch."""
+        peer_unauthenticated, protocol_mismatch (and the listener's: `listener_counts`)."""
         with self._bootstrap_lock:
             self.bootstrap_counts[event] = self.bootstrap_counts.get(event, 0) + 1
 
@@ -239,8 +242,16 @@ class TransferAgent:
         last call (histogram samples can't be shipped as totals: each is handed over once)."""
         with self._bootstrap_lock:
             events = dict(self.bootstrap_counts)
+        events.update(self.listener_counts())
         timings, self._timings = self._timings, []
         return {d: dict(b) for d, b in self.byte_counts.items()}, events, timings
+
+    def listener_counts(self) -> dict[str, int]:
+        """What the transfer listener refused or survived (strangers: stranger_refused,
+        stranger_garbage, handshake_timeout; accept_failed and accept_shed when it ran out of
+        descriptors), as bootstrap events; zeros left out."""
+        counts = getattr(self.transport, "listener_counts", dict)()
+        return {k: v for k, v in counts.items() if v and k != "accepted"}
 
     def _emit_failure(self, rid: str, tid: str, cause: str, message: str, state: str) -> None:
         self._count_failure(cause)

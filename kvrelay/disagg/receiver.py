@@ -136,9 +136,12 @@ class DecodeReceiver(TransferAgent):
             problem = self.hello_problem(msg)
             if problem is not None and problem[0] != P.Cause.LAYOUT:
                 return self._refuse(conn, *problem)
-            conn.send(self.hello(self._handshakes[conn].nonce))
-            if problem is not None:  # prefill names the difference too, from our hello
-                return self._refuse(conn, *problem)
+            # The challenge: our nonce, nothing of our layout (prefill's fingerprint echoed;
+            # ours is compared, and a difference named, once prefill has proved itself).
+            challenge = P.Hello(
+                self.instance_id, self.role, msg.layout, self._handshakes[conn].nonce
+            )
+            conn.send(P.encode(challenge))
             return
         if isinstance(msg, P.Failure):  # prefill refused us (and hangs up)
             log.warning(
@@ -154,6 +157,9 @@ class DecodeReceiver(TransferAgent):
             why = f"prefill at {conn.peer} failed to prove it holds the PD secret"
             return self._refuse(conn, P.Cause.UNAUTHENTICATED, "peer_unauthenticated", why)
         del self._handshakes[conn]
+        mismatch = self.layout_mismatch(shake.hello)
+        if mismatch:
+            return self._refuse(conn, P.Cause.LAYOUT, "layout_mismatch", mismatch)
         self._authenticated(conn)
         ipc = []
         if self.in_place:  # prefill writes into these rows, and may now know where they are

@@ -27,6 +27,13 @@ class Connection(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
+    # Set once the agent's handshake proved the peer holds the PD secret: a backend may give the
+    # connection more (a reader thread, larger frames) only from then on.
+    is_authenticated: bool = False
+
+    def authenticated(self) -> None:
+        self.is_authenticated = True
+
     @property
     @abstractmethod
     def closed(self) -> bool: ...

@@ -1,4 +1,6 @@
-"""TCP backend: works everywhere (the CPU tests use it). One reader thread per connection.
+"""TCP backend: works everywhere (the CPU tests use it). One reader thread per authenticated
+connection (and per connection this side dialed); accepted connections go through the listener's
+gate (gate.py: one thread, bounded count and time) until their peer has authenticated.
 
 Frame: magic b"KVR1", header length (u32), payload length (u64), header bytes, payload bytes.
 Both lengths are checked against the connection's limits before anything is allocated for them.
@@ -13,12 +15,17 @@ import threading
 from collections.abc import Sequence
 
 from kvrelay.disagg.transport.base import Buffer, Connection, OnClose, OnMessage, Transport
+from kvrelay.disagg.transport.gate import Gate
 
 log = logging.getLogger("kvrelay.disagg.tcp")
 
 MAGIC = b"KVR1"
 _PREFIX = struct.Struct("!4sIQ")
 MAX_HEADER = 1 << 20  # the largest header (ReserveAck of a 1M-token prompt: ~330 kB)
+# Before authentication: a hello (its layout description: ~40 kB for DeepSeek-V4-Flash), no payload.
+MAX_HANDSHAKE_HEADER = 256 << 10
+MAX_PENDING = 64  # accepted connections in their handshake at once; past it, new ones are closed
+HANDSHAKE_DEADLINE_S = 5.0  # from accept to authenticated, else closed
 
 
 class FramingError(ConnectionError):
@@ -29,7 +36,7 @@ class FramingError(ConnectionError):
         self.cause = cause
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+def _recv_exact(sock, n: int) -> bytearray:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
@@ -41,10 +48,8 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def read_frame(
-    sock: socket.socket, max_payload: int, max_header: int = MAX_HEADER
-) -> tuple[bytes, memoryview]:
-    magic, hlen, plen = _PREFIX.unpack(_recv_exact(sock, _PREFIX.size))
+def _check_prefix(prefix, max_payload: int, max_header: int) -> tuple[int, int]:
+    magic, hlen, plen = _PREFIX.unpack(prefix)
     if magic != MAGIC:
         raise FramingError("bad_frame_magic", f"bad frame magic {bytes(magic)!r}")
     if hlen > max_header:
@@ -55,6 +60,36 @@ def read_frame(
         raise FramingError(
             "frame_payload_too_large", f"a {plen}-byte frame payload (limit {max_payload})"
         )
+    return hlen, plen
+
+
+def handshake_frame(buf: bytearray) -> tuple[bytes, int] | None:
+    """(header, bytes used) of the first whole frame of an unauthenticated peer's `buf` (None:
+    not whole yet); refuses, from the prefix alone, any payload and a header over the limit."""
+    if len(buf) < _PREFIX.size:
+        return None
+    hlen, _ = _check_prefix(bytes(buf[: _PREFIX.size]), 0, MAX_HANDSHAKE_HEADER)
+    end = _PREFIX.size + hlen
+    return (bytes(buf[_PREFIX.size : end]), end) if len(buf) >= end else None
+
+
+class _Buffered:
+    """A socket read through the bytes the gate had buffered beyond the handshake."""
+
+    def __init__(self, sock: socket.socket, head: bytes = b"") -> None:
+        self.sock, self.head = sock, head
+
+    def recv_into(self, view: memoryview, n: int) -> int:
+        if self.head:
+            k = min(n, len(self.head))
+            view[:k] = self.head[:k]
+            self.head = self.head[k:]
+            return k
+        return self.sock.recv_into(view, n)
+
+
+def read_frame(sock, max_payload: int, max_header: int = MAX_HEADER) -> tuple[bytes, memoryview]:
+    hlen, plen = _check_prefix(_recv_exact(sock, _PREFIX.size), max_payload, max_header)
     header = bytes(_recv_exact(sock, hlen))
     payload = memoryview(_recv_exact(sock, plen)) if plen else memoryview(b"")
     return header, payload
@@ -68,18 +103,33 @@ class TcpConnection(Connection):
         on_message: OnMessage,
         on_close: OnClose,
         max_payload: int = 0,
+        read: bool = True,
     ) -> None:
+        """`read`: start the reader thread now (a dialed connection); else the gate delivers the
+        handshake's frames and starts it once the peer authenticated."""
         self.sock, self.peer, self.max_payload = sock, peer, max_payload
         self._on_message, self._on_close = on_message, on_close
         self._lock = threading.Lock()
         self._closed = False
+        self.is_authenticated = False
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._reader = threading.Thread(target=self._read, daemon=True, name=f"kvrelay-tcp-{peer}")
-        self._reader.start()
+        if read:
+            self.start_reading()
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def deliver(self, header: bytes) -> None:
+        """A handshake frame the gate read (no payload before authentication)."""
+        self._on_message(self, header, memoryview(b""))
+
+    def start_reading(self, head: bytes = b"") -> None:
+        self.sock.settimeout(None)
+        reader = _Buffered(self.sock, head)
+        threading.Thread(
+            target=self._read, args=(reader,), daemon=True, name=f"kvrelay-tcp-{self.peer}"
+        ).start()
 
     def send(self, header: bytes, buffers: Sequence[Buffer] = ()) -> None:
         views = [memoryview(b).cast("B") for b in buffers]
@@ -92,14 +142,14 @@ class TcpConnection(Connection):
                 for v in views:
                     self.sock.sendall(v)
             except OSError as e:
-                self._shutdown(f"send failed: {e}")
+                self.shutdown(f"send failed: {e}")
                 raise ConnectionError(f"send to {self.peer} failed: {e}") from e
 
-    def _read(self) -> None:
+    def _read(self, reader: _Buffered) -> None:
         reason = "closed"
         try:
             while True:
-                header, payload = read_frame(self.sock, self.max_payload)
+                header, payload = read_frame(reader, self.max_payload)
                 self._on_message(self, header, payload)
         except FramingError as e:
             log.warning("frame refused peer=%s cause=%s message=%s", self.peer, e.cause, e)
@@ -109,9 +159,9 @@ class TcpConnection(Connection):
         except Exception as e:  # a handler bug must not leave the peer hanging: drop the connection
             log.exception("tcp handler failed peer=%s", self.peer)
             reason = f"handler error: {type(e).__name__}: {e}"
-        self._shutdown(reason)
+        self.shutdown(reason)
 
-    def _shutdown(self, reason: str) -> None:
+    def shutdown(self, reason: str) -> None:
         if self._closed:
             return
         self._closed = True
@@ -123,7 +173,7 @@ class TcpConnection(Connection):
         self._on_close(self, reason)
 
     def close(self) -> None:
-        self._shutdown("closed locally")
+        self.shutdown("closed locally")
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -138,6 +188,7 @@ class TcpTransport(Transport):
     def __init__(self, max_payload: int = 0) -> None:
         self.max_payload = max_payload  # each new connection's limit until raised
         self._server: socket.socket | None = None
+        self.gate: Gate | None = None
         self._conns: list[TcpConnection] = []
         self._lock = threading.Lock()
 
@@ -145,28 +196,30 @@ class TcpTransport(Transport):
         srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         srv.bind((host, port))
-        srv.listen(64)
+        srv.listen(128)
         self._server = srv
-        threading.Thread(
-            target=self._accept,
-            args=(srv, on_message, on_close),
-            daemon=True,
-            name="kvrelay-tcp-accept",
-        ).start()
+
+        def make_conn(sock: socket.socket, peer: str) -> TcpConnection:
+            conn = TcpConnection(sock, peer, on_message, on_close, self.max_payload, read=False)
+            with self._lock:
+                self._conns = [c for c in self._conns if not c.closed]  # refused peers go
+                self._conns.append(conn)
+            return conn
+
+        self.gate = Gate(
+            srv,
+            make_conn,
+            handshake_frame,
+            MAX_PENDING,
+            HANDSHAKE_DEADLINE_S,
+            _PREFIX.size + MAX_HANDSHAKE_HEADER,
+        )
         h, p = srv.getsockname()[:2]
         return f"{h}:{p}"
 
-    def _accept(self, srv: socket.socket, on_message: OnMessage, on_close: OnClose) -> None:
-        while True:
-            try:
-                sock, (h, p) = srv.accept()
-            except OSError:
-                return
-            with self._lock:
-                self._conns = [c for c in self._conns if not c.closed]  # refused peers go
-                self._conns.append(
-                    TcpConnection(sock, f"{h}:{p}", on_message, on_close, self.max_payload)
-                )
+    def listener_counts(self) -> dict[str, int]:
+        """The gate's events since start (accepted, stranger_refused, handshake_timeout, ...)."""
+        return self.gate.take_counts() if self.gate is not None else {}
 
     def connect(
         self, addr: str, on_message: OnMessage, on_close: OnClose, timeout_s: float
@@ -179,6 +232,8 @@ class TcpTransport(Transport):
         return conn
 
     def close(self) -> None:
+        if self.gate is not None:
+            self.gate.close()
         if self._server is not None:
             self._server.close()
         with self._lock:
