@@ -351,6 +351,11 @@ class SharedServers:
 SMOLLM2_F32 = ("--model", "smollm2", "--dtype", "float32", "--max-num-batched-tokens", "256")
 SMOLLM2_F32_SMALL_POOL = (*SMOLLM2_F32, "--max-total-tokens", "640", "--host-cache-gb", "0.05")
 SMOLLM2_F32_NO_CACHE = (*SMOLLM2_F32, "--max-total-tokens", "16384", "--disable-prefix-cache")
+# `--deterministic` (batch-invariant) SmolLM2, shared by the served mode's tests and repro's check.
+SMOLLM2_DETERMINISTIC = (
+    "--model", "smollm2", "--deterministic", "--max-num-batched-tokens", "16",
+    "--max-total-tokens", "4096",
+)  # fmt: skip
 
 
 @pytest.fixture(scope="session")

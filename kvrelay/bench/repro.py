@@ -38,6 +38,7 @@ from kvrelay.bench import repro_sessions as sessions
 from kvrelay.bench.detectors import DETECTORS, Reply, detect
 from kvrelay.bench.loadgen import BenchError, http_error, resolve_model
 from kvrelay.bench.metrics import describe_causes, failure_report, merge_causes
+from kvrelay.bench.repro_deterministic import confirm_deterministic
 from kvrelay.bench.repro_judge import Turn, TurnVerdict, judge_level
 from kvrelay.bench.repro_report import highlight, print_report
 from kvrelay.bench.verify import DEFAULT_NEAR_TIE, Output
@@ -68,6 +69,8 @@ class ReproConfig:
     near_tie: float = DEFAULT_NEAR_TIE
     num_examples: int = 5
     request_timeout_s: float = 600.0
+    # the servers run --deterministic (confirmed first): every divergence is a defect
+    deterministic_check: bool = False
 
     def check(self) -> None:
         for name in ("num_sessions", "turns", "max_tokens", "reference_concurrency"):
@@ -75,6 +78,8 @@ class ReproConfig:
                 raise BenchError(f"--{name.replace('_', '-')} must be at least 1")
         if not self.concurrency or min(self.concurrency) < 1:
             raise BenchError("--concurrency needs levels of at least 1")
+        if self.deterministic_check and self.near_tie != 0:
+            raise BenchError("--deterministic-check allows no near-ties (--near-tie 0)")
 
 
 # --- talking to the server --------------------------------------------------------------------------
@@ -239,6 +244,10 @@ async def run_repro(cfg: ReproConfig, on_pass=None) -> dict:
     async with httpx.AsyncClient(
         timeout=cfg.request_timeout_s, headers=api_key_headers(), limits=limits
     ) as client:
+        checked = []
+        if cfg.deterministic_check:
+            for url in dict.fromkeys((ref_url, cfg.url)):
+                checked += await confirm_deterministic(client, url)
         model = cfg.model or await resolve_model(client, cfg.url)
         ref_model = cfg.model or await resolve_model(client, ref_url)
         ref_runner = Runner(client, ref_url, ref_model, cfg)
@@ -277,7 +286,9 @@ async def run_repro(cfg: ReproConfig, on_pass=None) -> dict:
         lv["failed_requests"] for lv in levels
     )
     corrupted = sum(lv["corrupted"] for lv in levels)
-    if corrupted:
+    if corrupted and cfg.deterministic_check:
+        verdict, code = "corruption found (batch-invariant servers: no divergence is numerics)", 1
+    elif corrupted:
         verdict, code = "corruption found", 1
     elif failed:
         causes = merge_causes(
@@ -293,6 +304,7 @@ async def run_repro(cfg: ReproConfig, on_pass=None) -> dict:
         "config": asdict(cfg),
         "url": cfg.url,
         "model": model,
+        "deterministic_servers": checked,  # confirmed by --deterministic-check
         "reference": {
             "url": ref_url,
             "model": ref_model,
@@ -390,9 +402,17 @@ def add_repro_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--near-tie",
         type=float,
-        default=d.near_tie,
+        default=None,
         help="nats: a divergence to the reference's runner-up token with a top-2 gap below this "
-        "is numerics, not corruption (0: count every divergence)",
+        f"is numerics, not corruption (0: count every divergence; default {d.near_tie}, 0 with "
+        "--deterministic-check)",
+    )
+    p.add_argument(
+        "--deterministic-check",
+        action="store_true",
+        help="the servers run --deterministic (confirmed from /server_info first, behind a "
+        "router each server): every divergent turn is a defect, no near-tie allowance "
+        "(implies --near-tie 0)",
     )
     p.add_argument(
         "--num-examples", type=int, default=d.num_examples, help="worst examples to show"
@@ -409,6 +429,7 @@ def cmd_repro(a: argparse.Namespace) -> int:
 
     from kvrelay.bench import report
 
+    d_tie = ReproConfig(url="").near_tie
     cfg = ReproConfig(
         url=a.base_url.rstrip("/"),
         reference_url=a.reference_url.rstrip("/") if a.reference_url else None,
@@ -424,7 +445,8 @@ def cmd_repro(a: argparse.Namespace) -> int:
         tool_result_len=a.tool_result_len,
         ignore_eos=a.ignore_eos,
         send_tools=not a.no_tools_field,
-        near_tie=a.near_tie,
+        near_tie=a.near_tie if a.near_tie is not None else 0.0 if a.deterministic_check else d_tie,
+        deterministic_check=a.deterministic_check,
         num_examples=a.num_examples,
         request_timeout_s=a.request_timeout,
     )

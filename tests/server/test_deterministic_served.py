@@ -7,11 +7,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
+from conftest import SMOLLM2_DETERMINISTIC as ARGS
 
-ARGS = (
-    "--model", "smollm2", "--deterministic", "--max-num-batched-tokens", "16",
-    "--max-total-tokens", "4096",
-)  # fmt: skip
 PROMPTS = [f"Tale number {i}: long ago, in a kingdom by the {w} sea," for i, w in
            enumerate(["grey", "warm", "cold", "wide", "dark", "calm", "blue", "vast"])]  # fmt: skip
 
