@@ -2,8 +2,10 @@
 
 The grammar (llguidance's serialized text) travels to the engine in SamplingParams.grammar; the
 engine compiles it against the model's tokenizer and masks every sampling step
-(engine/grammar.py). Here, at request validation, it is built and checked by llguidance itself, so
-a schema it cannot honour is a 400 naming the feature (and the field), never an engine error.
+(engine/grammar.py). Here, at request validation, it is checked against kvrelay's limits first
+(grammar_limits.py: sizes, nesting, numbers, self-requiring schemas, alternatives), then built
+and checked by llguidance itself, so a schema it cannot honour is a 400 naming the feature (and
+the field), never an engine error.
 
 - response_format text: no grammar; json_object: any JSON object; json_schema: the schema
   (enforced whether `strict` is true or not; unsupported keywords are refused, not ignored).
@@ -22,6 +24,7 @@ import json
 from collections import OrderedDict
 from typing import Any
 
+from kvrelay.server import grammar_limits as limits
 from kvrelay.server.chat_format import dsv4_thinking
 from kvrelay.server.errors import bad_request
 from kvrelay.server.schemas import ChatCompletionRequest, NamedToolChoice, ResponseFormat
@@ -65,7 +68,11 @@ def _check(grammar: str, param: str, what: str) -> str:
 def json_schema_grammar(schema: dict[str, Any], param: str) -> str:
     from llguidance import LLMatcher
 
-    grammar = LLMatcher.grammar_from_json_schema(schema, overrides=tool_grammar.JSON_OPTIONS)
+    limits.check_schema(schema, param)
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(schema, overrides=tool_grammar.JSON_OPTIONS)
+    except Exception as e:  # whatever the client's schema makes llguidance raise is a 400
+        raise bad_request(f"{param}: this JSON schema is not supported: {e}", param) from None
     return _check(grammar, param, "this JSON schema")
 
 
@@ -115,9 +122,10 @@ def _regex_grammar(regex: str, param: str, what: str = "this regex") -> str:
 def _ebnf_grammar(text: str, param: str) -> str:
     from llguidance import grammar_from
 
+    limits.check_grammar_text(text, param)
     try:
         grammar = grammar_from("ebnf", text)
-    except ValueError as e:
+    except Exception as e:  # ValueError, or whatever else the client's text makes it raise
         raise bad_request(f"{param}: this grammar is not supported: {e}", param) from None
     return _check(grammar, param, "this grammar")
 
@@ -141,12 +149,14 @@ def guided_grammar(req) -> tuple[str, str] | None:
     param, value = given[0]
     kind = param.rsplit("_", 1)[-1].rsplit(".", 1)[-1]
     if kind == "choice":
+        limits.check_choices(value, param)
         return _regex_grammar(choice_regex(value), param, "this choice"), param
     if kind == "json":
         return json_schema_grammar(_schema_of(value, param), param), param
     if param == "structured_outputs.json_object":
         return json_schema_grammar(ANY_OBJECT, param), param
     if kind == "regex":
+        limits.check_regex(value, param)
         return _regex_grammar(value, param), param
     return _ebnf_grammar(value, param), param
 
@@ -177,6 +187,7 @@ def sglang_grammar(p) -> str | None:
             raise bad_request(f"{param}: a JSON schema is an object (or true)", param)
         return json_schema_grammar(schema, param)
     if kind == "regex":
+        limits.check_regex(text, param)
         return _regex_grammar(text, param)
     return _ebnf_grammar(text, param)
 
