@@ -401,7 +401,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
         engine=engine_config(a),
     )
 
+    served = {}
+
     def ready(state) -> None:
+        served["state"] = state
+        # A dead engine ends this process (exit 3): a supervisor restarts it (engine_client.py).
+        state.client.on_death = lambda: setattr(served["server"], "should_exit", True)
         url = f"http://{a.host}:{a.port}"
         auth = '-H "Authorization: Bearer $KVRELAY_API_KEY" ' if cfg.api_key else ""
         # Greedy: at the model card's temperature 0.2 the embedded 4-bit 135M model still answers
@@ -414,14 +419,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
         print(f"kvrelay ready: {url} (model {state.model_name}) | try: {example}", flush=True)
 
     raise_open_files_limit(4096)  # a connection per client request (router: one per request)
-    uvicorn.run(
-        create_app(cfg, on_ready=ready),
-        host=a.host,
-        port=a.port,
-        log_level="warning",
-        timeout_keep_alive=KEEP_ALIVE_S,
-    )
-    return 0
+    server = uvicorn.Server(_uvicorn_config(create_app(cfg, on_ready=ready), a))
+    served["server"] = server
+    server.run()
+    state = served.get("state")
+    return state.client.exit_code if state is not None else 0
 
 
 def cmd_router(a: argparse.Namespace) -> int:
@@ -452,14 +454,29 @@ def cmd_router(a: argparse.Namespace) -> int:
             flush=True,
         )
 
-    uvicorn.run(
-        create_router_app(cfg, on_ready=ready),
+    uvicorn.Server(_uvicorn_config(create_router_app(cfg, on_ready=ready), a)).run()
+    return 0
+
+
+def _uvicorn_config(app, a: argparse.Namespace):
+    """Server and router alike: keep-alive past the clients' own, and read deadlines for
+    headers and bodies (server/http_timeouts.py: a slowloris client is closed)."""
+    import uvicorn
+
+    from kvrelay.server.http_timeouts import TimedH11Protocol
+
+    class Protocol(TimedH11Protocol):
+        header_timeout_s = float(env("KVRELAY_HTTP_HEADER_TIMEOUT_S"))
+        body_timeout_s = float(env("KVRELAY_HTTP_BODY_TIMEOUT_S"))
+
+    return uvicorn.Config(
+        app,
         host=a.host,
         port=a.port,
         log_level="warning",
         timeout_keep_alive=KEEP_ALIVE_S,
+        http=Protocol,
     )
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

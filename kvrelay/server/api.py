@@ -285,8 +285,9 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         for i, (deltas, parser) in enumerate(zip(outputs, parsers, strict=True)):
             text = "".join(d.text for d in deltas)
             message = {"role": "assistant", "content": text}
+            cut = deltas[-1].finish_reason == "length"
             if parser is not None:
-                message = message_dict(parser.step(text, final=True), parser.reasoning)
+                message = message_dict(parser.step(text, True, cut), parser.reasoning)
                 _log_parse_errors(rid, parser)
             choice = {
                 "index": i,
@@ -308,49 +309,41 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             "usage": _usage(prompt_ids, gens),
         }
         if req.prompt_logprobs is not None:  # vLLM puts them beside the choices on chat
-            body["prompt_logprobs"] = await asyncio.to_thread(
-                plp.vllm, state.tokenizer, prompt_ids, plp.first(outputs[0])
-            )
+            body["prompt_logprobs"] = await _vllm_prompt_logprobs(req, prompt_ids, outputs[0])
         return body
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await _parse(request, CompletionRequest)
         _check_common(req)
-        prompt = req.prompt
-        prompt_ids = (
-            list(prompt)
-            if isinstance(prompt, list)
-            else await asyncio.to_thread(state.tokenizer.encode, prompt, add_special_tokens=False)
-        )
-        if not prompt_ids:
-            raise bad_request("prompt is empty", "prompt")
-        truncated = _truncate(req, prompt_ids)
-        if len(truncated) < len(prompt_ids):
-            prompt, prompt_ids = truncated, truncated  # echo shows what the model read
+        if len(req.prompts) > 1 and "kvrelay_pd" in (req.model_extra or {}):
+            raise bad_request(
+                "a PD request carries one prompt (the router splits batches)", "prompt"
+            )
         grammar = await asyncio.to_thread(structured.completion_grammar, req)
-        gens = _start_n(req, prompt_ids, grammar)
+        prompts = [await _completion_prompt(req, p) for p in req.prompts]  # (echo, ids) each
+        groups = [_start_n(req, ids, grammar) for _, ids in prompts]
+        # Flat, in choice order: index = prompt_i * n + sample_j.
+        items = [(g, *prompts[i]) for i, group in enumerate(groups) for g in group]
+        gens = [g for g, _, _ in items]
         rid, created = gens[0].rid, int(gens[0].created)
-        echo = (
-            (prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt_ids))
-            if req.echo
-            else ""
-        )
         if req.stream:
             offsets = [[0] for _ in gens]  # each choice's text offset of its next token
             return _stream(
                 request,
                 gens,
                 lambda i, d, first: _completion_chunk(
-                    rid, created, i, d, first, req, echo, offsets[i], prompt_ids
+                    rid, created, i, d, first, req, items[i][1], offsets[i], items[i][2]
                 ),
                 rid,
                 created,
                 "text_completion",
                 req,
+                usage=lambda: _batch_usage(groups),
             )
         choices = []
         for i, deltas in enumerate(await _collect(request, gens)):
+            _, echo, prompt_ids = items[i]
             choice = {
                 "index": i,
                 "text": echo + "".join(d.text for d in deltas),
@@ -363,9 +356,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
                     _completion_logprobs, req, deltas, len(echo), prompt_ids, True
                 )
             if req.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = await asyncio.to_thread(
-                    plp.vllm, state.tokenizer, prompt_ids, plp.first(deltas)
-                )
+                choice["prompt_logprobs"] = await _vllm_prompt_logprobs(req, prompt_ids, deltas)
             choices.append(choice)
         return {
             "id": rid,
@@ -373,32 +364,68 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             "created": created,
             "model": state.model_name,
             "choices": choices,
-            "usage": _usage(prompt_ids, gens),
+            "usage": _batch_usage(groups),
         }
+
+    async def _completion_prompt(req, prompt) -> tuple[str, list[int]]:
+        """One prompt of a completions request: (its echo text, its token ids)."""
+        ids = (
+            list(prompt)
+            if isinstance(prompt, list)
+            else await asyncio.to_thread(state.tokenizer.encode, prompt, add_special_tokens=False)
+        )
+        if not ids:
+            raise bad_request("prompt is empty", "prompt")
+        truncated = _truncate(req, ids)
+        if len(truncated) < len(ids):
+            prompt, ids = truncated, truncated  # echo shows what the model read
+        if not req.echo:
+            return "", ids
+        return (prompt if isinstance(prompt, str) else state.tokenizer.decode(ids)), ids
+
+    async def _vllm_prompt_logprobs(req, prompt_ids: list[int], deltas) -> list | None:
+        """vLLM's prompt_logprobs of one choice; None from a PD decode server, which never
+        runs the prompt: the router puts prefill's in (router_prompt_logprobs.py)."""
+        if _scored_elsewhere(req):
+            return None
+        return await asyncio.to_thread(plp.vllm, state.tokenizer, prompt_ids, plp.first(deltas))
 
     @app.post("/generate")
     async def generate(request: Request):
-        """SGLang's native generate (sglang_api.py)."""
+        """SGLang's native generate (sglang_api.py): one prompt or a batch."""
         data = await _body_data(request)
         pd = data.pop("kvrelay_pd", None)  # SGLang's body forbids unknown fields: kept aside
         req = validate(GenerateRequest, data)
-        view = sglang.SamplingView.of(req, pd)
-        _check_ready(view)
-        if req.input_ids is not None:
-            prompt_ids = list(req.input_ids)
-        else:
-            prompt_ids = await asyncio.to_thread(state.tokenizer.encode, req.text)
-            if not prompt_ids:
-                raise bad_request("text is empty", "text")
+        if pd is not None and req.is_batch:
+            raise bad_request("a PD request carries one prompt (the router splits batches)", "text")
         grammar = await asyncio.to_thread(structured.sglang_grammar, req.sampling_params)
-        gen = _start(view, prompt_ids, "generate", grammar=grammar)
-        rid = req.rid or gen.rid
+        items = []
+        for prompt in req.prompts:
+            if isinstance(prompt, list):
+                prompt_ids = list(prompt)
+            else:
+                prompt_ids = await asyncio.to_thread(state.tokenizer.encode, prompt)
+                if not prompt_ids:
+                    raise bad_request("text is empty", "text")
+            view = sglang.SamplingView.of(req, pd, len(prompt_ids))
+            _check_ready(view)
+            try:
+                shaper = sglang.logprobs_of(req, state.tokenizer, prompt_ids)
+            except ValueError as e:
+                raise bad_request(str(e), "logprob_start_len") from None
+            gen = _start(view, prompt_ids, "generate", grammar=grammar)
+            rid = req.rid if req.rid and not req.is_batch else gen.rid  # a batch: one id each
+            items.append(sglang.Item(gen, rid, shaper))
+        gens = [it.gen for it in items]
         if req.stream:
             return StreamingResponse(
-                sglang.events(gen, rid, stream_error), media_type="text/event-stream"
+                sglang.events(items, req.is_batch, _merged(gens), stream_error),
+                media_type="text/event-stream",
             )
-        start = gen.created
-        return sglang.answer(gen, (await _collect(request, [gen]))[0], rid, start)
+        start = gens[0].created
+        outputs = await _collect(request, gens)
+        answers = [sglang.answer(it, out, start) for it, out in zip(items, outputs, strict=True)]
+        return answers if req.is_batch else answers[0]
 
     async def _body_data(request: Request) -> dict:
         """The JSON body; a PD field in it must carry the router's signature."""
@@ -491,7 +518,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             ignore_eos=req.ignore_eos,
             logprobs=req.num_logprobs,
             grammar=grammar,
-            prompt_logprobs=plp.wanted(req),
+            prompt_logprobs=None if _scored_elsewhere(req) else plp.wanted(req),
             min_tokens=getattr(req, "min_tokens", 0),
         )
         prefix = prefix or ("chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl")
@@ -568,10 +595,12 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         log.warning("stream error rid=%s status=%d message=%s", rid, e.status, e.message)
         return e.sse()
 
-    def _stream(request, gens, make_chunk, rid, created, obj, req):
+    def _stream(request, gens, make_chunk, rid, created, obj, req, usage=None):
         """SSE chunks of every generation as they come (`make_chunk(index, delta, first)`),
-        then usage if asked, then [DONE]."""
+        then usage if asked (`usage()`: the request's; default: one prompt's n samples), then
+        [DONE]."""
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        usage = usage or (lambda: _usage(gens[0].prompt_ids, gens))
 
         async def events():
             first = [True] * len(gens)
@@ -592,7 +621,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
                     "created": created,
                     "model": state.model_name,
                     "choices": [],
-                    "usage": _usage(gens[0].prompt_ids, gens),
+                    "usage": usage(),
                 }
                 yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
@@ -605,7 +634,9 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         if parser is None:
             delta = {"content": d.text}
         else:
-            delta = delta_dict(parser.step(d.text, final=d.finish_reason is not None))
+            delta = delta_dict(
+                parser.step(d.text, d.finish_reason is not None, d.finish_reason == "length")
+            )
             if d.finish_reason:
                 _log_parse_errors(rid, parser)
             if not (delta or first or d.finish_reason or (req.logprobs and d.token_ids)):
@@ -633,7 +664,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         prompt's with echo (in the first chunk of a stream)."""
         as_ids = req.return_tokens_as_token_ids
         out = fmt.completion_logprobs(state.tokenizer, deltas, offset, as_ids)
-        if req.echo and first:
+        if req.echo and first and not _scored_elsewhere(req):
             entries = plp.first(deltas)
             prompt = plp.legacy(state.tokenizer, prompt_ids, entries, req.logprobs, as_ids)
             out = plp.merge(prompt, out)
@@ -682,6 +713,23 @@ def _child_seed(seed: int, index: int) -> int:
     return (seed + index + 2**63) % 2**64 - 2**63
 
 
+def _scored_elsewhere(req) -> bool:
+    """A PD decode request: prefill runs the prompt, so its logprobs come from there (the
+    router merges them into decode's answer); decode neither asks for them nor shows them."""
+    raw = (req.model_extra or {}).get("kvrelay_pd")
+    return isinstance(raw, dict) and raw.get("role") == "decode"
+
+
+def _batch_usage(groups: list[list[Generation]]) -> dict:
+    """Usage of a batch of prompts: each prompt's (its n samples), summed."""
+    parts = [_usage(g[0].prompt_ids, g) for g in groups]
+    return fmt.usage(
+        sum(u["prompt_tokens"] for u in parts),
+        sum(u["completion_tokens"] for u in parts),
+        sum(u["prompt_tokens_details"]["cached_tokens"] for u in parts),
+    )
+
+
 def _usage(prompt_ids: list[int], gens: list[Generation]) -> dict:
     """The prompt counted once, the n samples' completions summed (as OpenAI counts). Cached:
     the least any sample found, i.e. what the cache held before this request (the samples that
@@ -727,6 +775,10 @@ async def _merged(gens: list[Generation]):
 
 
 def _finish_reason(reason: str | None, parser: ChatOutputParser | None) -> str | None:
+    """ "tool_calls" when the model ended its output with calls; "length" whenever max_tokens
+    stopped it, calls or not (a call it was writing is cut off: content, not a call)."""
+    if reason == "length":
+        return reason
     return "tool_calls" if reason and parser is not None and parser.tool_calls else reason
 
 

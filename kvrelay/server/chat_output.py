@@ -27,7 +27,7 @@ class ToolParser(Protocol):
 
     def feed(self, piece: str) -> list[ContentDelta | ToolCallDelta]: ...
 
-    def finish(self) -> list[ContentDelta | ToolCallDelta]: ...
+    def finish(self, truncated: bool = False) -> list[ContentDelta | ToolCallDelta]: ...
 
 
 class ChatOutputParser:
@@ -47,21 +47,25 @@ class ChatOutputParser:
         reasoning, content = self._splitter.feed(text) if self._splitter else ("", text)
         return self._route(reasoning, content, final=False)
 
-    def finish(self) -> list[Piece]:
+    def finish(self, truncated: bool = False) -> list[Piece]:
+        """`truncated`: the output stopped at max_tokens, so a call still open is cut off (it
+        stays content, never a call)."""
         reasoning, content = self._splitter.finish() if self._splitter else ("", "")
-        return self._route(reasoning, content, final=True)
+        return self._route(reasoning, content, final=True, truncated=truncated)
 
-    def step(self, text: str, final: bool) -> list[Piece]:
+    def step(self, text: str, final: bool, truncated: bool = False) -> list[Piece]:
         """One stream step: this text, and everything held back when it is the last."""
-        return self.feed(text) + (self.finish() if final else [])
+        return self.feed(text) + (self.finish(truncated) if final else [])
 
-    def _route(self, reasoning: str, content: str, final: bool) -> list[Piece]:
+    def _route(
+        self, reasoning: str, content: str, final: bool, truncated: bool = False
+    ) -> list[Piece]:
         out: list[Piece] = [ReasoningDelta(reasoning)] if reasoning else []
         if self.tools is None:
             out += [ContentDelta(content)] if content else []
         else:
             out += self.tools.feed(content) if content else []
-            out += self.tools.finish() if final else []
+            out += self.tools.finish(truncated) if final else []
         self.tool_calls += sum(isinstance(p, ToolCallDelta) for p in out)
         return out
 

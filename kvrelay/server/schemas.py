@@ -22,6 +22,7 @@ INT32_MAX = 2**31 - 1
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Positive = Annotated[int, Field(ge=1, le=INT32_MAX)]
+MAX_BATCH_PROMPTS = 1024  # prompts in one batched request (completions, SGLang's /generate)
 
 
 class FieldError(ValueError):
@@ -328,14 +329,23 @@ class CompletionRequest(_Sampling):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("batched prompts are not supported; send one prompt per request")
-            v = v[0]
+    def _prompts(cls, v):
         if isinstance(v, list | str) and len(v) == 0:
             raise ValueError("prompt is empty")
+        if isinstance(v, list) and isinstance(v[0], str | list):
+            if len(v) > MAX_BATCH_PROMPTS:
+                raise ValueError(f"at most {MAX_BATCH_PROMPTS} prompts in one request")
+            for i, p in enumerate(v):
+                if len(p) == 0:
+                    raise FieldError(f"[{i}]", "prompt is empty")
         return v
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one entry per prompt (a string or token ids); a single prompt is a batch
+        of one. Choice `index` is prompt_i * n + sample_j (as vLLM and OpenAI number them)."""
+        p = self.prompt
+        return list(p) if isinstance(p, list) and isinstance(p[0], str | list) else [p]
 
     @property
     def num_logprobs(self) -> int | None:

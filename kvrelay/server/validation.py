@@ -116,7 +116,9 @@ def _param(err: dict, data: dict) -> str | None:
     cause = (err.get("ctx") or {}).get("error")
     prefix = _data_path(err["loc"], data)
     if isinstance(cause, FieldError):  # a check across fields names its field itself
-        return f"{prefix}.{cause.param}" if prefix else cause.param
+        if not prefix:
+            return cause.param
+        return prefix + (cause.param if cause.param.startswith("[") else f".{cause.param}")
     return prefix
 
 

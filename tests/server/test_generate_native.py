@@ -40,7 +40,7 @@ def test_input_ids_and_a_stop_string(server, smollm2_tokenizer):
     assert whole["text"] == _completion(server, ids)["choices"][0]["text"]
     stop = whole["text"][2:5]
     params = {**GREEDY, "stop": [stop]}
-    d = httpx.post(
+    (d,) = httpx.post(  # a batch of one: a list of one answer (as SGLang)
         server.url + "/generate", json={"input_ids": [ids], "sampling_params": params}, timeout=60
     ).json()
     assert d["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
@@ -97,7 +97,7 @@ def test_structured_output(server):
     [
         ({"sampling_params": GREEDY}, None),  # neither text nor input_ids
         ({"text": "x", "input_ids": [1]}, None),
-        ({"text": ["a", "b"]}, "text"),  # a batch
+        ({"text": ["a", ""]}, "text[1]"),  # a batch with an empty prompt
         ({"text": "x", "sampling_params": {"regex": "(a"}}, "sampling_params.regex"),
         ({"text": "x", "sampling_params": {"json_schema": "{no"}}, "sampling_params.json_schema"),
         ({"text": "x", "sampling_params": {"json_schema": '{"if": {}}'}}, "sampling_params.json_schema"),
@@ -107,7 +107,12 @@ def test_structured_output(server):
         ({"text": "x", "sampling_params": {"repetition_penalty": 1.2}}, "sampling_params.repetition_penalty"),
         ({"text": "x", "sampling_params": {"max_new_tokens": 2**70}}, "sampling_params.max_new_tokens"),
         ({"text": "x", "sampling_params": {"sampling_seed": 2**70}}, "sampling_params.sampling_seed"),
-        ({"text": "x", "return_logprob": True}, "return_logprob"),
+        ({"text": "x", "return_logprob": True, "logprob_start_len": 5}, "logprob_start_len"),
+        ({"text": "x", "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
+        ({"text": "x", "return_logprob": True, "token_ids_logprob": [1]}, "token_ids_logprob"),
+        ({"text": "x", "return_routed_experts": True}, "return_routed_experts"),
+        ({"text": "x", "return_hidden_states": True}, "return_hidden_states"),
+        ({"text": "x", "lora_path": "my-adapter"}, "lora_path"),
         ({"text": "x", "image_data": "http://x/y.png"}, "image_data"),
         ({"input_ids": [1, 2**40]}, "input_ids[1]"),
     ],

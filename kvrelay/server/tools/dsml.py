@@ -241,7 +241,8 @@ class DsmlStreamParser:
         self._buf += piece
         return self._drain(final=False)
 
-    def finish(self) -> list[Delta]:
+    def finish(self, truncated: bool = False) -> list[Delta]:
+        """`truncated` changes nothing here: only a closed invoke is ever a call."""
         out = self._drain(final=True)
         if self._in_block:
             self._error("unterminated tool_calls block")

@@ -7,7 +7,9 @@ The format Qwen and SmolLM2-style templates teach their models:
     </tool_call>
 
 A call is released whole once its `</tool_call>` arrives, so a streamed parse equals the
-whole parse for any split of the text (the same rule as the DSML parser). Whitespace around
+whole parse for any split of the text (the same rule as the DSML parser). A call left open when
+the output ends counts only if the model ended it (EOS, a stop): one cut off by max_tokens
+(`finish(truncated=True)`) stays content, however complete its JSON looks. Whitespace around
 a call is layout and is dropped. A call that is not a JSON object with a name and object
 arguments stays content, with an entry in `errors`; the parser never raises.
 """
@@ -67,12 +69,14 @@ class JsonToolCallStreamParser:
     _gap: str = field(default="", init=False)  # whitespace dropped before the open call
     _calls: int = field(default=0, init=False)
     _out: list[Delta] = field(default_factory=list, init=False)
+    _truncated: bool = field(default=False, init=False)
 
     def feed(self, piece: str) -> list[Delta]:
         self._buf += piece
         return self._drain(final=False)
 
-    def finish(self) -> list[Delta]:
+    def finish(self, truncated: bool = False) -> list[Delta]:
+        self._truncated = truncated
         return self._drain(final=True)
 
     def _drain(self, final: bool) -> list[Delta]:
@@ -122,6 +126,10 @@ class JsonToolCallStreamParser:
         raw = START + body + ("" if end == -1 else END)
         self._buf = "" if end == -1 else self._buf[end + len(END) :]
         self._in_call = False
+        if end == -1 and self._truncated:
+            self.errors.append("tool call cut off by max_tokens (no </tool_call>)")
+            self._content(self._gap + raw)
+            return True
         try:
             name, arguments = parse_call(body)
         except ValueError as e:
