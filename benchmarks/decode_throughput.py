@@ -16,7 +16,6 @@ import time
 
 import torch
 
-from kvrelay.cache.kv_pool import bytes_per_token
 from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvrelay.engine.batch import prepare
 from kvrelay.engine.engine import Engine, generate
@@ -106,7 +105,7 @@ def measure(
         sync()
         step_ms = (time.perf_counter() - t0) * 1e3 / steps
         ctx = sum(r.num_tokens for r in engine.scheduler.running) / batch
-        kv_bytes = batch * ctx * bytes_per_token(engine.src.config, runner.dtype)
+        kv_bytes = batch * ctx * (runner.pool.spec.bytes_per_page // runner.page_size)
         total = weight_bytes + kv_bytes
         rows.append(
             dict(

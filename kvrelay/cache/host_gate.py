@@ -2,10 +2,10 @@
 every kind the pool owns between device pages and host slots, and `wait()` is the single
 synchronisation point a forward passes before any kernel reads the pool.
 
-Which tensors move is derived from the pool itself (`page_tensors`: every tensor it owns whose
-leading dim is its page count), never from a hand-kept list, so a cache kind added to a pool
-moves with the others (DeepSeek-V4: window rows, compressed KV of each ratio, index keys and
-their fp8 scales, the per-page compressor state `page_prev_*`; dense: each layer's K and V).
+Which tensors move is what the pool's cache spec declares per page (`cache/spec.py` `page_tensors`), never
+a hand-kept list, so a cache kind added to a spec moves with the others (DeepSeek-V4: window
+rows, compressed KV of each ratio, index keys and their fp8 scales, the per-page compressor
+state `page_prev_*`; dense: each layer's K and V).
 
 Copies run in issue order on one copy queue: a CUDA copy stream (after the compute stream's
 work so far; `wait()` makes the compute stream wait for an event), or on the CPU one worker
@@ -16,68 +16,18 @@ by a later copy or by a forward that passed the gate.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from kvrelay.cache.spec import CachePool, page_tensors
 
-def owned_tensors(pool) -> dict[str, torch.Tensor]:
-    """Every tensor reachable from the pool's attributes (through lists, tuples, dicts and the
-    cache package's own objects), by the attribute path first reaching it."""
-    found: dict[tuple, tuple[str, torch.Tensor]] = {}
-    seen: set[int] = set()
-
-    def walk(obj, path: str) -> None:
-        if isinstance(obj, torch.Tensor):
-            key = (obj.data_ptr(), tuple(obj.shape), obj.stride(), obj.dtype)
-            found.setdefault(key, (path, obj))
-            return
-        if id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(v, f"{path}[{k}]")
-        elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                walk(v, f"{path}[{i}]")
-        elif type(obj).__module__.startswith("kvrelay.cache"):
-            items = (
-                {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-                if dataclasses.is_dataclass(obj)
-                else vars(obj)
-            )
-            for k, v in items.items():
-                walk(v, f"{path}.{k}" if path else k)
-
-    walk(pool, "")
-    return dict(found.values())
-
-
-def page_tensors(pool) -> dict[str, torch.Tensor]:
-    """The pool's per-page tensors ([num_pages, ...]): what a page is made of. Raises when
-    that is ambiguous (a per-request tensor as long as the page count, or per-page views that
-    do not tile their storage exactly once)."""
-    if getattr(pool, "num_slots", None) == pool.num_pages:
-        raise ValueError("the pool has as many state slots as pages: per-page tensors ambiguous")
-    owned = owned_tensors(pool)
-    pages = {n: t for n, t in owned.items() if t.dim() and t.shape[0] == pool.num_pages}
-    by_storage: dict[int, list[torch.Tensor]] = {}
-    for t in pages.values():
-        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
-    for ts in by_storage.values():
-        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in ts)
-        nbytes = ts[0].untyped_storage().nbytes()
-        tiled = all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
-        if not tiled or spans[-1][1] - spans[0][0] != nbytes:
-            raise ValueError("the pool's per-page views overlap or leave part of a tensor out")
-    return pages
+__all__ = ["HostTierGate", "page_tensors"]
 
 
 class HostTierGate:
-    def __init__(self, pool, capacity: int, device: torch.device) -> None:
+    def __init__(self, pool: CachePool, capacity: int, device: torch.device) -> None:
         self.kinds = page_tensors(pool)  # name -> device tensor [num_pages, ...]
         pin = device.type == "cuda"
         # Host slot 0 is never used (ids come from a BlockPool), like page 0.
@@ -100,8 +50,8 @@ class HostTierGate:
             self._pending: Future | None = None
 
     @staticmethod
-    def bytes_per_page(pool) -> int:
-        return sum(t[0].numel() * t.element_size() for t in page_tensors(pool).values())
+    def bytes_per_page(pool: CachePool) -> int:
+        return pool.spec.bytes_per_page
 
     def copy_out(self, pairs: list[tuple[int, int]]) -> None:
         """Offload: device page -> host slot, for each (page, slot)."""

@@ -1,34 +1,33 @@
-"""The paged K/V tensors of every layer, and how many pages fit in the memory we may use."""
+"""The paged K/V tensors of every layer of a dense model, allocated from its cache spec."""
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import torch
 
-from kvrelay.config import ModelConfig
+from kvrelay.cache.spec import PAGE, CacheSpec, KindSpec, zeroed
+
+__all__ = ["KVPool", "kv_cache_spec", "zeroed"]
 
 
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled cache tensor. On CPU through calloc (numpy's zeros): a large block comes as
-    fresh anonymous pages the OS zeroes on first touch, so a pool of several GB costs nothing
-    until used (torch.zeros writes every byte up front: ~20 s at start for the default CPU pool
-    on 2 cores)."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if torch.device(device).type != "cpu" or nbytes == 0:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
-
-
-def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+def kv_cache_spec(
+    num_layers: int, kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
+    shard: tuple[int, int] = (0, 1),
+) -> CacheSpec:  # fmt: skip
+    """Each layer's paged K and V, [page_size, kv_heads, head_dim] a page (`kv_heads`: this
+    rank's, part `shard` of the model's)."""
+    shape = (page_size, kv_heads, head_dim)
+    kinds = tuple(
+        KindSpec(f"L{i}.{name}", PAGE, i, shape, dtype, shard=shard)
+        for i in range(num_layers)
+        for name in ("k", "v")
+    )
+    return CacheSpec(page_size, kinds)
 
 
 class KVPool:
-    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype, device) -> None:
-        self.num_pages, self.page_size = num_pages, page_size
-        shape = (2, cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-        self.buffer = zeroed(shape, dtype, device)
-        # One (k, v) view pair per layer: [num_pages, page_size, kv_heads, head_dim].
-        self.layers = [(self.buffer[0, i], self.buffer[1, i]) for i in range(cfg.num_layers)]
+    def __init__(self, spec: CacheSpec, num_pages: int, device: torch.device) -> None:
+        self.spec, self.num_pages, self.page_size = spec, num_pages, spec.page_size
+        self.tensors = spec.allocate(num_pages, 0, device)
+        # One (k, v) pair per layer: [num_pages, page_size, kv_heads, head_dim].
+        n = len(spec.kinds) // 2
+        self.layers = [(self.tensors[f"L{i}.k"], self.tensors[f"L{i}.v"]) for i in range(n)]

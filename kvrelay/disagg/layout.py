@@ -1,8 +1,9 @@
 """What a PD transfer moves: a runner's caches as a list of named kinds, and which rows of each
 kind a prompt chunk fills.
 
-A runner describes its caches with `transfer_layout()`; the sender and the receiver only ever
-touch the tensors through these descriptions, so a new cache kind needs no change here.
+A runner's `transfer_layout()` is its pool's cache spec bound to the pool's tensors
+(`cache.spec.cache_kinds`: `CacheKind`, defined beside the spec); the sender and the receiver
+only ever touch the tensors through these descriptions, so a new cache kind needs no change here.
 - unit "page": first dim = page, second = rows within a page. Row j of a request covers tokens
   [j * ratio, (j + 1) * ratio) and is final once all of them are computed (a compressed entry
   exists only when its window is complete; a value kept per page, such as DeepSeek-V4's
@@ -25,72 +26,24 @@ touch the tensors through these descriptions, so a new cache kind needs no chang
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 import torch
 
-from kvrelay.cache.paging import resume_rows_from, row_index
+from kvrelay.cache.paging import row_index
+from kvrelay.cache.spec import PAGE, SLOT, CacheKind
 
-PAGE, SLOT = "page", "slot"
-
-
-@dataclass(frozen=True)
-class CacheKind:
-    name: str
-    tensor: torch.Tensor
-    unit: str  # PAGE | SLOT
-    layer: int  # kinds of the same layers travel in one piece
-    ratio: int = 1  # page kinds: tokens per row
-    keep_last: int = 0  # page kinds: only the last `keep_last` tokens' rows are read again
-    shard: tuple[int, int] = (0, 1)  # (rank, world): this tensor's part of each row's first dim
-
-    @property
-    def row_shape(self) -> tuple[int, ...]:
-        """The shape of a whole row (what travels), shards put together."""
-        shape = list(self.tensor.shape[2:] if self.unit == PAGE else self.tensor.shape[1:])
-        if self.shard[1] > 1:
-            shape[0] *= self.shard[1]
-        return tuple(shape)
-
-    @property
-    def row_bytes(self) -> int:
-        n = self.tensor.element_size()
-        for d in self.row_shape:
-            n *= d
-        return n
-
-    @property
-    def byte_rows(self) -> torch.Tensor:
-        """The tensor as bytes, one row per cache row: [rows, row_bytes / shard world], a view
-        (writes land in the pool), the same for every dtype (fp8 included)."""
-        t = self.tensor.flatten(0, 1) if self.unit == PAGE else self.tensor
-        return t.reshape(t.shape[0], -1).view(torch.uint8)
-
-    def row_range(
-        self, start: int, end: int, prompt_len: int, resume_rows: bool = False
-    ) -> tuple[int, int]:
-        """Rows of a page kind that tokens [start, end) of a `prompt_len`-token prompt complete
-        and decode will read (`resume_rows`: or a later hit on its cached pages will read)."""
-        r = self.ratio
-        first = start // r
-        if self.keep_last:
-            if resume_rows:
-                page_size = self.tensor.shape[1] * r
-                oldest = resume_rows_from(prompt_len, page_size, self.keep_last)
-            else:
-                oldest = max(prompt_len - self.keep_last, 0)
-            first = max(first, oldest // r)
-        last = end // r
-        return first, max(first, last)
-
-    def describe(self) -> str:
-        """Everything both sides must agree on for this kind, in one line."""
-        shape = "x".join(map(str, self.row_shape))
-        per_unit = f"{self.tensor.shape[1]}/page" if self.unit == PAGE else "slot"
-        return (
-            f"{self.name} {self.unit} {per_unit} row={shape} {self.tensor.dtype} "
-            f"ratio={self.ratio} keep_last={self.keep_last}"
-        )
+# PAGE, SLOT and CacheKind are re-exported: the agents' vocabulary.
+__all__ = [
+    "PAGE",
+    "SLOT",
+    "CacheKind",
+    "describe_layout",
+    "fingerprint",
+    "layer_groups",
+    "layout_difference",
+    "max_piece_bytes",
+    "page_rows",
+]
 
 
 def page_rows(kind: CacheKind, pages: list[int], page_size: int, first: int, last: int):

@@ -8,10 +8,9 @@ import logging
 
 import torch
 
-from kvrelay.cache.dsv4_pool import DeepseekV4CachePool, dsv4_page_size
 from kvrelay.cache.paging import pages_for
+from kvrelay.cache.spec import CacheKind, cache_kinds
 from kvrelay.config import EngineConfig
-from kvrelay.disagg.layout import PAGE, SLOT, CacheKind
 from kvrelay.engine import prompt_logprobs, tp_install
 from kvrelay.engine.dsv4_step import HEADER, Dsv4Step, plan_step, recv_step, send_step, send_stop
 from kvrelay.engine.dsv4_warm_up import warm_up
@@ -23,6 +22,8 @@ from kvrelay.layers.parallel import TPGroup
 from kvrelay.layers.step_profile import StepProfiler
 from kvrelay.models.deepseek_v4.batch_meta import build_meta
 from kvrelay.models.deepseek_v4.batched import forward_batched
+from kvrelay.models.deepseek_v4.cache_pool import DeepseekV4CachePool
+from kvrelay.models.deepseek_v4.cache_spec import dsv4_cache_spec, dsv4_page_size
 from kvrelay.models.deepseek_v4.config import CSA, HCA
 from kvrelay.models.deepseek_v4.fp8_linears import use_fp8_linears
 from kvrelay.models.deepseek_v4.fused_projections import fuse_projections
@@ -61,7 +62,7 @@ class DeepseekV4Runner:
         num_slots = cfg.scheduler.max_running_requests + 1  # slot 0 is never handed out
         # The pools are the same on every rank (one shared KV head): the same page ids everywhere.
         num_pages = self.tp.min_int(self._num_pages(num_slots))
-        self.cache = DeepseekV4CachePool(
+        self.pool = DeepseekV4CachePool(
             c, num_pages, self.page_size, num_slots, self.dtype, self.device,
             cfg.cache.index_k_dtype,
         )  # fmt: skip
@@ -103,45 +104,22 @@ class DeepseekV4Runner:
         c = self.model_cfg
         if self.cfg.cache.max_total_tokens:
             return pages_for(self.cfg.cache.max_total_tokens, self.page_size) + 1
-        slots = num_slots * DeepseekV4CachePool.bytes_per_slot(c, self.dtype)
+        spec = dsv4_cache_spec(c, self.page_size, self.dtype, self.cfg.cache.index_k_dtype)
+        slots = num_slots * spec.bytes_per_slot
         act = self.cfg.scheduler.max_num_batched_tokens * (
             c.hidden_size * c.hc_mult * 16 + c.vocab_size * 4
         )
         budget = cache_budget(self.cfg, self.device, act) - slots
-        per_page = DeepseekV4CachePool.bytes_per_page(c, self.page_size, self.dtype)
+        per_page = spec.bytes_per_page
         return max(int(budget // per_page), 2)
 
     def transfer_layout(self) -> list[CacheKind]:
-        """Every tensor of the pool, described for a PD transfer: the window KV (only its last
-        window - 1 tokens are read again), compressed entries and index keys (a row per
-        `ratio` tokens), the compressors' state at each page end (one row per page, final once
-        the page is, read only by a prefix hit ending there), and the compressors' per-request
-        state slots."""
-        pool = self.cache
-        compressors = [s for s in pool.comp_slots + pool.index_slots if s is not None]
-        slot_tensors = {
-            id(t)
-            for s in compressors
-            for t in (s.pending_kv, s.pending_score, s.prev_kv, s.prev_score)
-            if t is not None
-        }
-        page_end_tensors = {
-            id(t) for s in compressors for t in (s.page_prev_kv, s.page_prev_score) if t is not None
-        }
-        kinds = []
-        for name, t in pool.kinds.items():
-            layer = int(name.split(".", 1)[0][1:])  # "L{i}.…"
-            if id(t) in slot_tensors:
-                kinds.append(CacheKind(name, t, SLOT, layer))
-            elif id(t) in page_end_tensors:  # [pages, ratio, d] as one row of page_size tokens
-                # read only by a request resuming at that page's end: the last full page's goes
-                view, ps = t.unsqueeze(1), self.page_size
-                kinds.append(CacheKind(name, view, PAGE, layer, ratio=ps, keep_last=ps))
-            elif t is pool.swa[layer]:
-                kinds.append(CacheKind(name, t, PAGE, layer, keep_last=pool.window - 1))
-            else:
-                kinds.append(CacheKind(name, t, PAGE, layer, ratio=self.page_size // t.shape[1]))
-        return kinds
+        """Every tensor of the pool, as its cache spec declares it for a PD transfer."""
+        return cache_kinds(self.pool)
+
+    @property
+    def cache(self) -> DeepseekV4CachePool:
+        return self.pool
 
     @torch.inference_mode()
     def forward(
@@ -204,7 +182,7 @@ class DeepseekV4Runner:
                 self.device,
             )  # fmt: skip
             hidden = forward_batched(
-                self.model, input_ids, meta, self.cache, rows_t, self.ops, self.kernels, profile,
+                self.model, input_ids, meta, self.pool, rows_t, self.ops, self.kernels, profile,
                 head=False,
             )  # fmt: skip
         return self.model.compute_logits(hidden[: step.n_sampled]).float(), hidden
@@ -242,7 +220,7 @@ class DeepseekV4Runner:
         for s in batch:
             r = s.req
             if r.matched_tokens and r.num_computed == r.matched_tokens:
-                self.cache.restore_slot(r.state_slot, r.pages[r.matched_tokens // p - 1])
+                self.pool.restore_slot(r.state_slot, r.pages[r.matched_tokens // p - 1])
 
     def _graphable(self, batch, profile, all_rows: bool) -> bool:
         """A decode step (one sampled token per request) that a captured graph covers; profiled
@@ -266,7 +244,7 @@ class DeepseekV4Runner:
             seqs.append(PagedSequence(slice(first, first + count), start, table, slot))
             first += count
         return forward_paged(
-            self.model, input_ids, seqs, self.cache, rows_t, self.layer_hook, profile, head=False
+            self.model, input_ids, seqs, self.pool, rows_t, self.layer_hook, profile, head=False
         )
 
 

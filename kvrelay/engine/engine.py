@@ -85,8 +85,7 @@ class Engine:
             # Transferred KV is installed outside the step, past the copy gate: a page just
             # offloaded could be rewritten before its copy is done.
             return None, "off (PD decode role)"
-        pool = self.runner.cache if hasattr(self.runner, "cache") else self.runner.kv
-        return build_host_tier(pool, self.cfg.cache.host_cache_gb, self.runner.device)
+        return build_host_tier(self.runner.pool, self.cfg.cache.host_cache_gb, self.runner.device)
 
     @property
     def max_model_len(self) -> int:

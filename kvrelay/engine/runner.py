@@ -5,16 +5,15 @@ Which pages are in use is the scheduler's business: the runner only says how man
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 
 import torch
 
-from kvrelay.cache.kv_pool import KVPool, bytes_per_token
+from kvrelay.cache.kv_pool import KVPool, kv_cache_spec
 from kvrelay.cache.paging import pages_for
+from kvrelay.cache.spec import CacheKind, CacheSpec, cache_kinds
 from kvrelay.config import EngineConfig
-from kvrelay.disagg.layout import PAGE, CacheKind
 from kvrelay.engine import prompt_logprobs, tp_gather, tp_install, tp_step
 from kvrelay.engine.batch import ForwardBatch, prepare
 from kvrelay.engine.prompt_logprobs import StepLogits
@@ -93,7 +92,7 @@ class ModelRunner:
         # The Triton backend also brings the fused per-token kernels; "torch" is the reference.
         self.ops = triton_ops() if backend == "triton" else TORCH_OPS
         num_pages = self.tp.min_int(self._num_pages())  # every rank holds the same page ids
-        self.kv = KVPool(self._kv_config(), num_pages, self.page_size, self.dtype, self.device)
+        self.pool = KVPool(self._cache_spec(), num_pages, self.device)
         self.num_pages = num_pages  # page 0 included (the dummy page padded rows write to)
         pool_tokens = (num_pages - 1) * self.page_size
         self.max_model_len = min(
@@ -106,7 +105,7 @@ class ModelRunner:
             max_pages = pages_for(self.max_model_len, self.page_size)
             self.graphs = CudaGraphRunner(
                 self.model,
-                self.kv.layers,
+                self.pool.layers,
                 self.backend,
                 self.ops,
                 cfg.max_cuda_graph_batch,
@@ -133,25 +132,25 @@ class ModelRunner:
         act = self.cfg.scheduler.max_num_batched_tokens * (c.hidden_size * 16 + c.vocab_size * 4)
         graphs = 2 * self.cfg.max_cuda_graph_batch * c.vocab_size * 4
         budget = cache_budget(self.cfg, self.device, act + graphs)
-        per_page = bytes_per_token(self._kv_config(), self.dtype) * self.page_size
+        per_page = self._cache_spec().bytes_per_page
         return max(int(budget // per_page), 2)
 
-    def _kv_config(self):
-        """The config the KV tensors are shaped by: with TP, this rank's kv heads only."""
-        c = self.model_cfg
-        if not self.tp.is_parallel:
-            return c
-        return dataclasses.replace(c, num_kv_heads=c.num_kv_heads // self.tp.world)
+    def _cache_spec(self) -> CacheSpec:
+        """Each layer's paged K and V: with TP, this rank's shard of the KV heads."""
+        c, tp = self.model_cfg, self.tp
+        heads = c.num_kv_heads // tp.world
+        return kv_cache_spec(
+            c.num_layers, heads, c.head_dim, self.page_size, self.dtype, (tp.rank, tp.world)
+        )
 
     def transfer_layout(self) -> list[CacheKind]:
         """The caches a PD transfer moves: each layer's paged K and V (whole rows: with TP this
         rank's tensors hold its shard of the KV heads)."""
-        shard = (self.tp.rank, self.tp.world)
-        return [
-            CacheKind(f"L{i}.{name}", t, PAGE, i, shard=shard)
-            for i, kv in enumerate(self.kv.layers)
-            for name, t in zip(("k", "v"), kv, strict=True)
-        ]
+        return cache_kinds(self.pool)
+
+    @property
+    def kv(self) -> KVPool:
+        return self.pool
 
     def install_piece(self, piece: tp_install.InstallPiece) -> None:
         """A PD decode server: install a received KV piece on every rank (each keeps its heads)."""
@@ -233,5 +232,5 @@ class ModelRunner:
 
     def _hidden(self, fb: ForwardBatch, profile: StepProfiler | None) -> torch.Tensor:
         """The final-normed hidden states of every row of the batch, eagerly: [T, hidden]."""
-        ctx = ForwardContext(fb.attn, self.kv.layers, self.backend, self.ops, profile)
+        ctx = ForwardContext(fb.attn, self.pool.layers, self.backend, self.ops, profile)
         return self.model(fb.input_ids, fb.positions, ctx)

@@ -4,7 +4,7 @@ oracle of kvrelay.kernels.triton_indexer and the engine's CPU path.
 Same math as Indexer.scores / Indexer.select (kvrelay.models.deepseek_v4.indexer): gather each
 query's keys, score sum_h w_h * ReLU(q_h . k_e) in fp32 (fp64 for fp64 inputs), -inf where
 e >= n_visible, stable descending sort, first K = min(topk, N) columns, -1 where the chosen score
-is -inf. fp8 keys are dequantized as the pool reads them (kvrelay.cache.dsv4_pool._read_index_k):
+is -inf. fp8 keys are dequantized as the pool reads them (kvrelay.models.deepseek_v4.cache_pool._read_index_k):
 (k.float() * scale).to(q.dtype). Query rows run in blocks sized from the shapes to bound memory;
 no host syncs (CUDA-graph safe on the GPU).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kvrelay.models.deepseek_v4.precision import wide
+from kvrelay.kernels.precision import wide
 
 __all__ = [
     "indexer_scores_reference",

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 
 from kvrelay.kernels.indexer_reference import keys_of, select_reference
+from kvrelay.kernels.precision import wide
 from kvrelay.kernels.reference import store_kv
 from kvrelay.layers.batch_invariant import ROWS
-from kvrelay.models.deepseek_v4.precision import wide
 
 KEYS = 64  # keys (or entries) per block
 

@@ -183,8 +183,9 @@ def _pages_of(engine: Engine, tokens: list[int]) -> list[int]:
 @pytest.mark.parametrize("index_k", ["auto", "fp8"])
 def test_a_page_received_equals_the_page_computed_by_a_single_engine(index_k: str) -> None:
     """Decode's cached pages of a two-turn conversation against a single engine's, computed in
-    the same chunks: equal, bit for bit, for every per-page tensor the pool owns (found by
-    walking the pool, not listed here: a kind missing from the transfer stays zero on decode),
+    the same chunks: equal, bit for bit, for every per-page tensor of the pool's cache spec (which
+    tests/cache/test_host_gate.py checks against a walk over the pool; not listed here: a kind
+    missing from the transfer stays zero on decode),
     but the window rows and page-end state that were not sent: a page lacking those a resume
     at its end reads never ends a match.
 
@@ -213,7 +214,7 @@ def test_a_page_received_equals_the_page_computed_by_a_single_engine(index_k: st
         matched = [len(_pages_of(pair.d, ids[: 16 * k + 1])) for k in range(1, 7)]
         assert matched == [0, 0, 0, 4, 5, 6]
         for name, t in d_pool.items():
-            window, page_end = name.startswith("swa"), "page_prev" in name
+            window, page_end = name.endswith(".swa_kv"), "page_prev" in name
             for k, (dp, sp) in enumerate(zip(mine, theirs, strict=True)):
                 a, b = t[dp], s_pool[name][sp]
                 if window:  # a resume at the page end reads its rows 1..15

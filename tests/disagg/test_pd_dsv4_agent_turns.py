@@ -20,7 +20,7 @@ from conftest import ServerProcess
 from conversations import two_turns
 from pd_stack import PDStack, engine_threads
 
-from kvrelay.cache.dsv4_pool import DeepseekV4CachePool
+from kvrelay.models.deepseek_v4.cache_spec import dsv4_cache_spec, dsv4_page_size
 from kvrelay.models.deepseek_v4.config import CSA, SLIDING
 from kvrelay.weights.loader import resolve
 
@@ -76,7 +76,7 @@ def _sent_bytes(hit: int, n: int) -> int:
             r = c.csa_compress_ratio
             total += (n // r - hit // r) * di
             total += (hit < n // PAGE * PAGE) * 2 * r * (d + di)  # page end: kv + score
-    return total * f32 + DeepseekV4CachePool.bytes_per_slot(c, torch.float32)
+    return total * f32 + dsv4_cache_spec(c, dsv4_page_size(c, 1), torch.float32).bytes_per_slot
 
 
 @pytest.mark.parametrize("n", [1, 8])

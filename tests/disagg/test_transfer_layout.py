@@ -45,7 +45,7 @@ def test_dense_layout_is_k_and_v_per_layer_viewing_the_pool(dense):
     assert kinds[0].row_shape == (c.num_kv_heads, c.head_dim)
     kinds[3].byte_rows[5].fill_(0xFF)  # a view: bytes written land in the pool
     page, off = divmod(5, dense.runner.page_size)
-    assert torch.isnan(dense.runner.kv.buffer[1, 1, page, off]).all()
+    assert torch.isnan(dense.runner.kv.layers[1][1][page, off]).all()
     kinds[3].byte_rows[5].fill_(0)
 
 

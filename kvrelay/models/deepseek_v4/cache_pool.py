@@ -21,26 +21,24 @@ that prev state is all a request continuing from a shared page needs in its slot
 like every other kind: a PD decode caches the pages it receives, and a later local hit there (a
 preempted request recomputing) restores its slot from them.
 
-Every tensor is named in `kinds` (per-page ones: first dim = page; per-request: first dim =
-slot), so a transfer ships a request's pages and slot by name, and a page received holds what a
-page computed here holds.
+Every tensor is declared in the spec (cache_spec.py) and allocated from it (`tensors`, also
+`kinds`: per-page ones first dim = page; per-request ones first dim = slot), so a transfer ships
+a request's pages and slot by name, and a page received holds what a page computed here holds.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from kvrelay.cache.kv_pool import zeroed
 from kvrelay.cache.paging import row_index
-from kvrelay.config import INDEX_K_DTYPES
+from kvrelay.models.deepseek_v4.cache_spec import FP8 as _FP8
+from kvrelay.models.deepseek_v4.cache_spec import dsv4_cache_spec, dsv4_page_size
 from kvrelay.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
-from kvrelay.models.deepseek_v4.precision import wide_dtype
 from kvrelay.models.deepseek_v4.state import CompressorState, LayerState
 
-_FP8 = torch.float8_e4m3fn
+__all__ = ["DeepseekV4CachePool", "dsv4_page_size"]
 _FP8_MAX = 448.0
 
 
@@ -48,12 +46,6 @@ def _fp8_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 rows with one fp32 scale each (amax / 448)."""
     scale = rows.float().abs().amax(dim=-1).clamp(min=1e-12) / _FP8_MAX
     return (rows.float() / scale[:, None]).to(_FP8), scale
-
-
-def dsv4_page_size(cfg: DeepseekV4Config, requested: int) -> int:
-    """The smallest multiple of every compress ratio that is >= the requested page size."""
-    unit = math.lcm(cfg.csa_compress_ratio, cfg.hca_compress_ratio)
-    return unit * max(1, -(-requested // unit))
 
 
 @dataclass
@@ -81,31 +73,28 @@ class DeepseekV4CachePool:
         device: torch.device,
         index_k_dtype: str = "auto",
     ) -> None:
-        if page_size % math.lcm(cfg.csa_compress_ratio, cfg.hca_compress_ratio):
-            raise ValueError("page_size must be a multiple of every compress ratio")
-        if index_k_dtype not in INDEX_K_DTYPES:
-            raise ValueError(f"index_k_dtype must be one of {INDEX_K_DTYPES}")
+        self.spec = dsv4_cache_spec(cfg, page_size, dtype, index_k_dtype)
         self.cfg, self.page_size, self.dtype, self.device = cfg, page_size, dtype, device
         self.num_pages, self.num_slots = num_pages, num_slots
         self.index_fp8 = index_k_dtype == "fp8"
         self.window = cfg.sliding_window
-        wide = wide_dtype(dtype)
-        d, di, P = cfg.head_dim, cfg.index_head_dim, page_size
+        # name -> tensor (pages or slots first), allocated from the spec
+        self.tensors = self.kinds = self.spec.allocate(num_pages, num_slots, device)
+        t = self.tensors
 
-        def zeros(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
-            return zeroed(shape, dt, device)
+        def slots(prefix: str, ratio: int, overlap: bool) -> _CompressorSlots:
+            def get(part: str) -> torch.Tensor | None:
+                return t.get(f"{prefix}.{part}")
 
-        def slots(ratio: int, dim: int, overlap: bool) -> _CompressorSlots:
-            coff = 2 if overlap else 1
+            page_prev = [get(p) for p in ("page_prev_kv", "page_prev_score")]
             return _CompressorSlots(
                 ratio,
                 overlap,
-                zeros(num_slots, ratio, coff * dim, dt=wide),
-                zeros(num_slots, ratio, coff * dim, dt=wide),
-                zeros(num_slots, ratio, dim, dt=wide) if overlap else None,
-                zeros(num_slots, ratio, dim, dt=wide) if overlap else None,
-                zeros(num_pages, ratio, dim, dt=wide) if overlap else None,
-                zeros(num_pages, ratio, dim, dt=wide) if overlap else None,
+                get("pending_kv"),
+                get("pending_score"),
+                get("prev_kv"),
+                get("prev_score"),
+                *(None if x is None else x[:, 0] for x in page_prev),  # [pages, ratio, d]
             )
 
         self.swa: list[torch.Tensor] = []
@@ -114,62 +103,23 @@ class DeepseekV4CachePool:
         self.index_k_scale: list[torch.Tensor | None] = []
         self.comp_slots: list[_CompressorSlots | None] = []
         self.index_slots: list[_CompressorSlots | None] = []
-        self.kinds: dict[str, torch.Tensor] = {}  # name -> tensor (pages or slots first)
         for i, kind in enumerate(cfg.layer_types):
-            self.swa.append(zeros(num_pages, P, d))
-            self.kinds[f"L{i}.swa_kv"] = self.swa[-1]
+            self.swa.append(t[f"L{i}.swa_kv"])
             entries = index_k = scale = comp = idx = None
             if kind != SLIDING:
                 r = cfg.compress_ratio(i)
-                entries = zeros(num_pages, P // r, d)
-                self.kinds[f"L{i}.c{r}_kv"] = entries
-                comp = slots(r, d, kind == CSA)
-                self._name_slots(f"L{i}.c{r}_state", comp)
+                entries = t[f"L{i}.c{r}_kv"]
+                comp = slots(f"L{i}.c{r}_state", r, kind == CSA)
             if kind == CSA:
                 r = cfg.csa_compress_ratio
-                index_k = zeros(num_pages, P // r, di, dt=_FP8 if self.index_fp8 else dtype)
-                self.kinds[f"L{i}.c{r}_index_k"] = index_k
-                if self.index_fp8:
-                    scale = zeros(num_pages, P // r, dt=torch.float32)
-                    self.kinds[f"L{i}.c{r}_index_k_scale"] = scale
-                idx = slots(r, di, True)
-                self._name_slots(f"L{i}.c{r}_index_state", idx)
+                index_k = t[f"L{i}.c{r}_index_k"]
+                scale = t.get(f"L{i}.c{r}_index_k_scale")
+                idx = slots(f"L{i}.c{r}_index_state", r, True)
             self.entries.append(entries)
             self.index_k.append(index_k)
             self.index_k_scale.append(scale)
             self.comp_slots.append(comp)
             self.index_slots.append(idx)
-
-    def _name_slots(self, prefix: str, s: _CompressorSlots) -> None:
-        self.kinds[f"{prefix}.pending_kv"] = s.pending_kv
-        self.kinds[f"{prefix}.pending_score"] = s.pending_score
-        if s.overlap:
-            self.kinds[f"{prefix}.prev_kv"] = s.prev_kv
-            self.kinds[f"{prefix}.prev_score"] = s.prev_score
-            self.kinds[f"{prefix}.page_prev_kv"] = s.page_prev_kv  # per page, not per slot
-            self.kinds[f"{prefix}.page_prev_score"] = s.page_prev_score
-
-    @staticmethod
-    def bytes_per_page(cfg: DeepseekV4Config, page_size: int, dtype: torch.dtype) -> int:
-        d, di, total, prev = cfg.head_dim, cfg.index_head_dim, 0, 0
-        for i, kind in enumerate(cfg.layer_types):
-            total += page_size * d
-            if kind != SLIDING:
-                total += page_size // cfg.compress_ratio(i) * d
-            if kind == CSA:
-                total += page_size // cfg.csa_compress_ratio * di
-                prev += cfg.csa_compress_ratio * 2 * (d + di)  # page_prev kv + score, main + index
-        return total * dtype.itemsize + prev * wide_dtype(dtype).itemsize
-
-    @staticmethod
-    def bytes_per_slot(cfg: DeepseekV4Config, dtype: torch.dtype) -> int:
-        d, di, total = cfg.head_dim, cfg.index_head_dim, 0
-        for i, kind in enumerate(cfg.layer_types):
-            if kind == CSA:
-                total += cfg.csa_compress_ratio * (6 * d + 6 * di)  # 2x(2d wide) + 2x(d) each
-            elif kind != SLIDING:
-                total += cfg.compress_ratio(i) * 2 * d
-        return total * wide_dtype(dtype).itemsize
 
     # -- rows of a request ------------------------------------------------------------------
     def _read(self, pool: torch.Tensor, pages: torch.Tensor, first: int, last: int, r: int):

@@ -1,17 +1,15 @@
 """The compute-precision rule: reductions and small fp32 parameters run in fp32, or fp64 when
-the whole model runs in fp64 (as the float64 oracle tests do)."""
+the whole model runs in fp64 (as the float64 oracle tests do). `wide_dtype` and `wide` live in
+kvrelay.kernels.precision (the kernels' references follow the rule too); the model's weights
+add `wide_weight`."""
 
 from __future__ import annotations
 
 import torch
 
+from kvrelay.kernels.precision import wide, wide_dtype
 
-def wide_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def wide(x: torch.Tensor) -> torch.Tensor:
-    return x.to(wide_dtype(x.dtype))
+__all__ = ["wide", "wide_dtype", "wide_weight"]
 
 
 def wide_weight(w: torch.Tensor) -> torch.Tensor:
