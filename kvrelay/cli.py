@@ -387,7 +387,7 @@ KEEP_ALIVE_S = 65
 def cmd_serve(a: argparse.Namespace) -> int:
     import uvicorn
 
-    from kvrelay.engine.process import setup_logging
+    from kvrelay.engine.process_setup import setup_logging
     from kvrelay.server.api import create_app
 
     setup_logging()
@@ -430,7 +430,7 @@ def cmd_router(a: argparse.Namespace) -> int:
     import uvicorn
 
     from kvrelay.disagg.router import create_router_app
-    from kvrelay.engine.process import setup_logging
+    from kvrelay.engine.process_setup import setup_logging
 
     setup_logging()
     cfg = RouterConfig(

@@ -178,12 +178,12 @@ def _num(x: float | None) -> str:
 
 
 def add_ab_parser(subparsers) -> argparse.ArgumentParser:
-    from kvrelay.bench.cli import _HelpFormatter, add_workload_args
+    from kvrelay.bench.cli_shared import HelpFormatter, add_workload_args
     from kvrelay.ledger.cli import add_ledger_arg
 
     p = subparsers.add_parser(
         "ab",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
         help="A/B two server configurations: alternating trials, a confidence interval, a verdict",
         description="Runs the same closed-loop bench level on A and then B, --trials times, and "
         "reports B's relative difference in --metric with a confidence interval (paired by "
@@ -263,7 +263,7 @@ def add_ab_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_ab(a: argparse.Namespace) -> int:
-    from kvrelay.bench.cli import RichProgress, workload_from_args
+    from kvrelay.bench.cli_shared import RichProgress, workload_from_args
     from kvrelay.ledger import store
 
     try:
@@ -329,7 +329,7 @@ def _describe_sides(a: argparse.Namespace, cfg: ABConfig, result: dict) -> None:
 
 def _record(a: argparse.Namespace, cfg: ABConfig, result: dict, started: float) -> None:
     """Into the ledger under B's configuration, with the decision, if any."""
-    from kvrelay.bench.cli import workload_label
+    from kvrelay.bench.cli_shared import workload_label
     from kvrelay.ledger.cli import save_run
     from kvrelay.ledger.store import Decision
 

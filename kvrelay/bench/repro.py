@@ -337,13 +337,13 @@ def _levels(text: str) -> tuple[int, ...]:
 
 
 def add_repro_parser(subparsers) -> argparse.ArgumentParser:
-    from kvrelay.bench.cli import _HelpFormatter
+    from kvrelay.bench.cli_shared import HelpFormatter
     from kvrelay.ledger.cli import add_ledger_arg
 
     d = ReproConfig(url="")
     p = subparsers.add_parser(
         "repro",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
         help="replay agentic tool-call sessions at several concurrency levels and count corruption",
         description="Runs multi-turn tool-call sessions greedily once as a reference (concurrency "
         "1, or on --reference-url), then replays the very same requests at each --concurrency "

@@ -334,11 +334,11 @@ def _tok(t: str | None) -> str:
 
 
 def add_verify_parser(subparsers) -> argparse.ArgumentParser:
-    from kvrelay.bench.cli import _HelpFormatter
+    from kvrelay.bench.cli_shared import HelpFormatter
 
     v = subparsers.add_parser(
         "verify",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
         help="send the same greedy prompts to two endpoints and compare the outputs token by token",
         description="Runs deterministic prompts greedily (temperature 0, ignore_eos, top-2 logprobs) "
         "on endpoint A, then on endpoint B, and compares them: identical or not, the first "

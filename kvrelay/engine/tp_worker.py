@@ -43,7 +43,7 @@ def follower_main(
     the process ends at once (exit code 0), as the engine does after a clean stop: the
     interpreter's teardown of torch.distributed's threads could abort (SIGABRT, "terminate called
     without an active exception", seen once on a CPU machine) after every step had succeeded."""
-    from kvrelay.engine.process import die_with_parent, exit_now, setup_logging
+    from kvrelay.engine.process_setup import die_with_parent, exit_now, setup_logging
     from kvrelay.engine.runner import make_runner
 
     setup_logging()

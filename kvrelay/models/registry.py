@@ -56,8 +56,8 @@ DEEPSEEK_V4 = ModelFamily(
     cache="kvrelay.models.deepseek_v4.cache_pool:DeepseekV4CachePool",
     chat_format=DSV4_CHAT,
     presets="kvrelay.models.deepseek_v4.config:PRESETS",
-    dir_config="kvrelay.weights.dsv4_checkpoint:read_config",
-    claims_dir="kvrelay.weights.dsv4_checkpoint:is_dsv4_dir",
+    dir_config="kvrelay.weights.dsv4_config:read_config",
+    claims_dir="kvrelay.weights.dsv4_config:is_dsv4_dir",
     adopts_borrowed_tokenizer=True,
 )
 

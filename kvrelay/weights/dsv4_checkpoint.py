@@ -1,5 +1,6 @@
-"""DeepSeek-V4 checkpoint directories: detect naming and quantization, stream dequantized
-tensors under the model's (HF) names, and hand out the packed routed experts.
+"""DeepSeek-V4 checkpoint tensors: stream them dequantized under the model's (HF) names, and
+hand out the packed routed experts. (The config and per-tensor encodings are read by
+`dsv4_config`; `dsv4_load` copies the tensors into a model.)
 
 Layouts (shared/reference/deepseek-v4.md §6, §7; quant formats in `kvrelay.quant`):
 - DeepSeek native: `embed.weight`, `layers.N.attn.wq_a.weight` + `.scale` (FP8 e4m3, ue8m0 per
@@ -23,235 +24,30 @@ which is yielded as soon as its last expert arrives.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import re
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
-from kvrelay.models.deepseek_v4.config import DeepseekV4Config
 from kvrelay.quant import (
     DEFAULT_WEIGHT_BLOCK,
     ExpertSlot,
     UnmappedNameError,
-    dequantize_fp8_block,
     dequantize_mxfp4,
     dequantize_nvfp4,
 )
+from kvrelay.quant.encoding import Quant, dequantize
 from kvrelay.weights import hf_dir
-from kvrelay.weights.dsv4_index import (
-    HF,
-    SAVED,
-    CheckpointError,
-    TensorInfo,
-    tensor_index,
-)
-from kvrelay.weights.dsv4_names import is_native_name, native_to_model
+from kvrelay.weights.dsv4_config import detect_format, natural_key, quant_of, read_dsv4_config
+from kvrelay.weights.dsv4_index import HF, CheckpointError, tensor_index
+from kvrelay.weights.dsv4_names import native_to_model
 from kvrelay.weights.dsv4_shard import shard
 
+__all__ = ["CheckpointError", "Dsv4Checkpoint", "PackedExperts", "Quant", "dequantize"]
+
 log = logging.getLogger("kvrelay.weights")
-
-ARCHITECTURE = "DeepseekV4ForCausalLM"
-_NATIVE_V4_KEYS = ("compress_ratios", "hc_mult", "o_groups")
-_PACKED_DTYPES = ("I8", "U8")
-_NVFP4_LEAVES = ("weight_scale", "weight_scale_2", "input_scale")
-
-
-# --- config ---------------------------------------------------------------------------------
-
-
-def _is_dsv4_dict(d: dict[str, Any]) -> bool:
-    if ARCHITECTURE in (d.get("architectures") or []) or d.get("model_type") == "deepseek_v4":
-        return True
-    native = "dim" in d or "n_layers" in d
-    return native and any(k in d for k in _NATIVE_V4_KEYS)
-
-
-def _load_json(path: str) -> dict[str, Any] | None:
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def _config_dicts(path: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    return _load_json(os.path.join(path, "config.json")), _load_json(
-        os.path.join(path, "inference", "config.json")
-    )
-
-
-def is_dsv4_dir(path: str) -> bool:
-    """True if `path` holds a DeepSeek-V4 config (HF names, or native ones in config.json or
-    inference/config.json)."""
-    if not os.path.isdir(path):
-        return False
-    return any(d is not None and _is_dsv4_dict(d) for d in _config_dicts(path))
-
-
-def read_dsv4_config(
-    path: str, indexed: tuple[str, dict[str, TensorInfo]] | None = None
-) -> tuple[DeepseekV4Config, dict[str, Any]]:
-    """(config, raw config dict). The top-level config.json wins; inference/config.json (native
-    names) is the fallback. The quantization_config, if any, comes from whichever has it.
-    `indexed` (naming and tensor index, if the caller has read them) decides how experts are
-    held and whether the QAT roundings are simulated."""
-    root, native = _config_dicts(path)
-    chosen = root if root is not None and _is_dsv4_dict(root) else native
-    if chosen is None or not _is_dsv4_dict(chosen):
-        raise CheckpointError(f"{path}: no DeepSeek-V4 config.json or inference/config.json")
-    raw = dict(chosen)
-    for d in (root, native):
-        if d is not None and "quantization_config" in d and "quantization_config" not in raw:
-            raw["quantization_config"] = d["quantization_config"]
-    cfg = DeepseekV4Config.from_dict(raw)
-    naming, index = tensor_index(path) if indexed is None else indexed
-    if naming == SAVED and "qat_simulation" not in raw:
-        # Written by transformers, whose DeepSeek-V4 forward does not simulate the reference's
-        # FP8 KV / FP4 index roundings: that forward is what such weights were made and checked
-        # with, so run as it does (a config.json may still ask for the simulation).
-        cfg = cfg.with_(qat_simulation=False)
-    # NVFP4 and MXFP4 experts stay packed in memory (how a Flash-sized model fits): the loader
-    # copies their bytes into `Fp4Experts` / `Mxfp4Experts` instead of dequantizing them.
-    fmt = detect_format(index, naming)
-    if fmt.experts in _PACKED_FORMATS:
-        mtp = fmt.mtp_experts or fmt.experts
-        cfg = cfg.with_(
-            expert_format=fmt.experts,
-            mtp_expert_format=mtp if mtp in _PACKED_FORMATS else "dense",
-        )
-    return cfg, raw
-
-
-def read_config(path: str) -> DeepseekV4Config:
-    """The model config of a checkpoint directory (the registry's config reader)."""
-    return read_dsv4_config(path)[0]
-
-
-# --- per-tensor format ------------------------------------------------------------------------
-
-
-def _natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
-    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in name.split("."))
-
-
-@dataclass(frozen=True)
-class Quant:
-    """How one stored weight is encoded: fmt in none | fp8_block | mxfp4 | nvfp4, and the names
-    of its companion tensors by role (scale; or weight_scale, weight_scale_2, input_scale)."""
-
-    fmt: str
-    companions: dict[str, str]
-
-
-def _companion_candidates(name: str) -> dict[str, str]:
-    if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # HF fused experts
-        return {"scale": f"{name}_scale_inv"}
-    if not name.endswith(".weight"):
-        return {}
-    base = name[: -len("weight")]
-    if is_native_name(name):
-        return {"scale": base + "scale"} | {leaf: base + leaf for leaf in _NVFP4_LEAVES}
-    return {"scale": base + "weight_scale_inv"}
-
-
-def quant_of(name: str, index: dict[str, TensorInfo]) -> Quant:
-    """The encoding of weight `name`, read from which companions exist and the weight's dtype."""
-    present = {k: v for k, v in _companion_candidates(name).items() if v in index}
-    if "weight_scale_2" in present:
-        nv = {k: present[k] for k in _NVFP4_LEAVES if k in present}
-        if "weight_scale" not in nv:
-            raise CheckpointError(f"{name}: NVFP4 weight without its weight_scale")
-        return Quant("nvfp4", nv)
-    if "scale" in present:
-        dtype = index[name].dtype
-        if dtype == "F8_E4M3":
-            return Quant("fp8_block", {"scale": present["scale"]})
-        if dtype in _PACKED_DTYPES:
-            return Quant("mxfp4", {"scale": present["scale"]})
-        raise CheckpointError(f"{name}: a scale beside a {dtype} weight is not a known format")
-    return Quant("none", {})
-
-
-@dataclass(frozen=True)
-class CheckpointFormat:
-    naming: str  # native | hf | transformers (save_pretrained)
-    linears: str  # encoding of the attention projections: none | fp8_block
-    experts: str  # encoding of the routed experts of layers.*: none | fp8_block | mxfp4 | nvfp4
-    mtp_experts: str | None  # of the MTP block's routed experts; None without an MTP block
-
-    def describe(self) -> str:
-        return (
-            f"naming={self.naming} linears={self.linears} experts={self.experts} "
-            f"mtp_experts={self.mtp_experts}"
-        )
-
-
-def _first(index: dict[str, TensorInfo], pattern: str) -> str | None:
-    rx = re.compile(pattern)
-    hits = sorted((n for n in index if rx.fullmatch(n)), key=_natural_key)
-    return hits[0] if hits else None
-
-
-# (attention projection, routed expert, MTP routed expert) name patterns of the index, whose
-# save_pretrained entries are keyed by native names already.
-_NATIVE_PATTERNS = (
-    r"layers\.\d+\.attn\.wq_a\.weight",
-    r"layers\.\d+\.ffn\.experts\.\d+\.w1\.weight",
-    r"mtp\.\d+\.ffn\.experts\.\d+\.w1\.weight",
-)
-_HF_PATTERNS = (
-    r"model\.layers\.\d+\.self_attn\.q_a_proj\.weight",
-    r"model\.layers\.\d+\.mlp\.experts\.gate_up_proj",
-    r"model\.mtp\.\d+\.mlp\.experts\.gate_up_proj",
-)
-
-
-def detect_format(index: dict[str, TensorInfo], naming: str) -> CheckpointFormat:
-    """How the attention projections and routed experts are encoded (`index` as `tensor_index`
-    returns it)."""
-    patterns = _HF_PATTERNS if naming == HF else _NATIVE_PATTERNS
-    fmts = []
-    for pattern in patterns:
-        name = _first(index, pattern)
-        fmts.append(None if name is None else quant_of(name, index).fmt)
-    for what, pattern, fmt in zip(
-        ("attention projection", "routed expert"), patterns[:2], fmts[:2], strict=True
-    ):
-        if fmt is None:
-            stored = pattern.replace("\\d+", "N").replace("\\", "")
-            if naming == SAVED:
-                stored = "model." + stored
-            raise CheckpointError(
-                f"no {what} tensors found: a {naming}-named DeepSeek-V4 checkpoint has "
-                f"{stored} (unsupported layout, or not a DeepSeek-V4 checkpoint)"
-            )
-    return CheckpointFormat(naming, fmts[0], fmts[1], fmts[2])
-
-
-def dequantize(
-    weight: torch.Tensor,
-    quant: Quant,
-    parts: dict[str, torch.Tensor],
-    dtype: torch.dtype,
-    block: tuple[int, int] = DEFAULT_WEIGHT_BLOCK,
-) -> torch.Tensor:
-    """A stored weight and its companion tensors (by role) -> the dense tensor in `dtype`
-    (unquantized weights come back as stored)."""
-    if quant.fmt == "none":
-        return weight
-    if quant.fmt == "fp8_block":
-        return dequantize_fp8_block(weight, parts["scale"], block, dtype)
-    if quant.fmt == "mxfp4":
-        return dequantize_mxfp4(weight, parts["scale"], dtype)
-    if quant.fmt == "nvfp4":
-        return dequantize_nvfp4(weight, parts["weight_scale"], parts["weight_scale_2"], dtype)
-    raise CheckpointError(f"unknown quantization {quant.fmt!r}")
 
 
 # --- packed routed experts --------------------------------------------------------------------
@@ -365,7 +161,7 @@ class Dsv4Checkpoint:
         (so one layer's experts arrive together)."""
         order = {f: i for i, f in enumerate(hf_dir.safetensors_files(self.path))}
         names = [n for n in self.index if n not in self._companions]
-        return sorted(names, key=lambda n: (order[self.index[n].file], _natural_key(n)))
+        return sorted(names, key=lambda n: (order[self.index[n].file], natural_key(n)))
 
     def read_dequantized(
         self, name: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
@@ -503,102 +299,3 @@ class Dsv4Checkpoint:
             raw(down),
             raw(quants[1].companions["scale"]),
         )
-
-
-# --- loading into the model -------------------------------------------------------------------
-
-
-@torch.no_grad()
-def load_checkpoint(model: nn.Module, ckpt: Dsv4Checkpoint) -> None:
-    """Copy every checkpoint tensor into `model` (a `DeepseekV4ForCausalLM`) as it is read.
-
-    Strict like `load_hf_state_dict`: unknown names, wrong shapes and missing tensors raise,
-    except an entirely absent MTP block (it stays as initialised) and a tied `lm_head`.
-    """
-    t0 = time.perf_counter()
-    own = model.state_dict()
-    dtype = model.lm_head.weight.dtype
-    device = model.lm_head.weight.device
-    seen = _load_packed_experts(model, ckpt, own)
-    skip = frozenset(n.rpartition(".")[0] for n in seen)
-    for name, t in ckpt.tensors(dtype, device, skip=skip):
-        dst = own.get(name)
-        if dst is None:
-            raise CheckpointError(f"{name}: the model has no such parameter")
-        if dst.shape != t.shape:
-            raise CheckpointError(
-                f"{name}: checkpoint shape {tuple(t.shape)} != model shape {tuple(dst.shape)}"
-            )
-        dst.copy_(t)
-        seen.add(name)
-    missing = set(own) - seen
-    if getattr(model.config, "tie_word_embeddings", False):
-        missing.discard("lm_head.weight")
-    mtp = {k for k in own if k.startswith("model.mtp.")}
-    if missing and missing == mtp:
-        log.info("checkpoint has no MTP block; it stays as initialised tensors=%d", len(mtp))
-        missing = set()
-    if missing:
-        raise CheckpointError(f"tensors missing from the checkpoint: {sorted(missing)[:8]}")
-    log.info(
-        "checkpoint loaded path=%s %s tensors=%d packed_expert_blocks=%d dtype=%s device=%s "
-        "seconds=%.2f",
-        ckpt.path, ckpt.format.describe(), len(seen), len(skip), dtype, device,
-        time.perf_counter() - t0,
-    )  # fmt: skip
-
-
-_PACKED_FORMATS = ("nvfp4", "mxfp4")  # routed experts the model keeps packed
-# per format: expert module buffer -> the PackedExperts field it is copied from
-PACKED_FIELDS = {
-    "nvfp4": {
-        "gate_up_packed": "gate_up",
-        "gate_up_scale": "gate_up_scale",
-        "gate_up_scale_2": "gate_up_scale_2",
-        "down_packed": "down",
-        "down_scale": "down_scale",
-        "down_scale_2": "down_scale_2",
-    },
-    "mxfp4": {
-        "gate_up_packed": "gate_up",
-        "gate_up_scale": "gate_up_scale",
-        "down_packed": "down",
-        "down_scale": "down_scale",
-    },
-}
-
-
-def _load_packed_experts(model: nn.Module, ckpt: Dsv4Checkpoint, own: dict) -> set[str]:
-    """Copy the stored NVFP4 / MXFP4 bytes of every block whose experts the model keeps packed
-    (`Fp4Experts`, `Mxfp4Experts`); returns the state-dict names filled."""
-    from kvrelay.models.deepseek_v4.experts import QuantizedExperts
-
-    filled: set[str] = set()
-    for path, module in model.named_modules():
-        if not isinstance(module, QuantizedExperts):
-            continue
-        kind, n = path.removeprefix("model.").split(".")[:2]  # layers.3.mlp.experts
-        block: int | str = int(n) if kind == "layers" else f"mtp.{n}"
-        try:
-            packed = ckpt.packed_experts(block)
-        except KeyError:
-            if kind == "mtp":
-                continue  # an absent MTP block stays as initialised
-            raise
-        if packed.fmt != module.fp4_format:
-            raise CheckpointError(
-                f"{path}: the checkpoint's experts are {packed.fmt}; the model holds "
-                f"{module.fp4_format}"
-            )
-        for buf, field in PACKED_FIELDS[packed.fmt].items():
-            name, t = f"{path}.{buf}", getattr(packed, field)
-            if t.dtype == torch.float8_e8m0fnu:  # MXFP4 scales: the module keeps raw bytes
-                t = t.view(torch.uint8)
-            if own[name].shape != t.shape or own[name].dtype != t.dtype:
-                raise CheckpointError(
-                    f"{name}: checkpoint {t.dtype} {tuple(t.shape)} != model "
-                    f"{own[name].dtype} {tuple(own[name].shape)}"
-                )
-            own[name].copy_(t)
-            filled.add(name)
-    return filled

@@ -19,7 +19,8 @@ from torch.overrides import TorchFunctionMode
 
 from kvrelay.layers.parallel import TPGroup
 from kvrelay.models.deepseek_v4.config import DeepseekV4Config
-from kvrelay.weights.dsv4_checkpoint import PACKED_FIELDS, CheckpointError, Dsv4Checkpoint
+from kvrelay.weights.dsv4_checkpoint import CheckpointError, Dsv4Checkpoint
+from kvrelay.weights.dsv4_load import PACKED_FIELDS
 from kvrelay.weights.dsv4_shard import Slice
 from kvrelay.weights.dsv4_sources import Sources
 from kvrelay.weights.dsv4_tp import VOCAB, rank_slices, shard_model

@@ -16,7 +16,7 @@ from kvrelay.layers.parallel import SINGLE, TPGroup
 from kvrelay.layers.rope import RotaryEmbedding
 from kvrelay.models import registry
 from kvrelay.models.deepseek_v4.config import DeepseekV4Config
-from kvrelay.weights import dsv4_checkpoint, gguf_reader, hf_dir
+from kvrelay.weights import dsv4_checkpoint, dsv4_load, gguf_reader, hf_dir
 
 EMBEDDED = "smollm2"
 # Any of these in a checkpoint directory means it brings its own tokenizer.
@@ -203,7 +203,7 @@ def build_dsv4(
         init_dummy_weights(model, seed)
     else:  # tensors are read, dequantized and copied in one at a time
         with dsv4_checkpoint.Dsv4Checkpoint(src.path) as ckpt:
-            dsv4_checkpoint.load_checkpoint(model, ckpt)
+            dsv4_load.load_checkpoint(model, ckpt)
     return model.eval()
 
 

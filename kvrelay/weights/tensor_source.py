@@ -17,6 +17,8 @@ from typing import Any, Protocol
 
 import torch
 
+from kvrelay.quant.encoding import Quant, dequantize
+
 Box = tuple[slice, ...]  # one slice (step 1, bounds set) per dim
 
 
@@ -77,7 +79,7 @@ _PACKED = ("mxfp4", "nvfp4")
 
 
 class Dequantized:
-    """A quantized weight read box by box and dequantized (see `dsv4_checkpoint.dequantize`)."""
+    """A quantized weight read box by box and dequantized (see `quant.encoding.dequantize`)."""
 
     def __init__(
         self,
@@ -87,8 +89,6 @@ class Dequantized:
         dtype: torch.dtype,
         block: tuple[int, int],
     ) -> None:
-        from kvrelay.weights.dsv4_checkpoint import Quant  # it imports this module
-
         self.weight, self.parts, self.dtype, self.block = weight, parts, dtype, tuple(block)
         self.quant = Quant(fmt, {role: s.name for role, s in parts.items()})
         pack = 2 if fmt in _PACKED else 1
@@ -99,8 +99,6 @@ class Dequantized:
         )  # fmt: skip
 
     def read(self, box: Box) -> torch.Tensor:
-        from kvrelay.weights.dsv4_checkpoint import dequantize
-
         # Only the box's own bytes are read; the scale grid must start at a block edge, so the
         # weight is front-padded with zeros to the edge of its first block (cut off again).
         lead = tuple(s.start % b for s, b in zip(box, self.blocks, strict=True))

@@ -34,7 +34,8 @@ from kvrelay.quant import (
     quantize_mxfp4,
     quantize_nvfp4,
 )
-from kvrelay.weights.dsv4_checkpoint import CheckpointError, Dsv4Checkpoint, is_dsv4_dir
+from kvrelay.weights.dsv4_checkpoint import CheckpointError, Dsv4Checkpoint
+from kvrelay.weights.dsv4_config import is_dsv4_dir
 from kvrelay.weights.dsv4_shard import unshard
 from kvrelay.weights.dsv4_writer import save_dsv4_checkpoint, save_safetensors
 from kvrelay.weights.loader import build_model, resolve
