@@ -209,6 +209,25 @@ ENV_KNOBS: dict[str, EnvKnob] = {
             "recent step) reports /health 503, and `kvrelay up` restarts it; 0: never",
         ),
         EnvKnob(
+            "KVRELAY_HTTP_HEADER_TIMEOUT_S",
+            "10",
+            "server and router close a connection whose request headers are not complete this "
+            "many seconds after it opened (or after a kept-alive request's first byte)",
+        ),
+        EnvKnob(
+            "KVRELAY_HTTP_BODY_TIMEOUT_S",
+            "30",
+            "server and router close a connection whose request body is not complete this many "
+            "seconds after its headers",
+        ),
+        EnvKnob(
+            "KVRELAY_ENGINE_DEATH_EXIT_S",
+            "2",
+            "a `kvrelay serve` whose engine process died exits with code 3 this many seconds "
+            "later (its in-flight requests failed, /health saying why meanwhile), so that its "
+            "supervisor (systemd, Kubernetes, `kvrelay up`) restarts it; 0: stay up, 503",
+        ),
+        EnvKnob(
             "KVRELAY_HEALTH_MAX_FAILED_STEPS",
             "3",
             "a server's /health answers 503 once this many engine steps in a row have failed "

@@ -1,7 +1,9 @@
 """The API process's handle on the engine process: start it, send requests, route its outputs.
 
 A watchdog notices an engine that died: every waiting request gets an error at once, and the
-server reports itself unhealthy (503) instead of hanging. So does an engine whose steps keep
+server reports itself unhealthy (503) instead of hanging; a standalone server (`kvrelay serve`)
+then exits with code 3 after KVRELAY_ENGINE_DEATH_EXIT_S (default 2 s), so that whatever
+supervises it (systemd, Kubernetes, `kvrelay up`) restarts it. So does an engine whose steps keep
 failing (a sticky device error): its process lives, but it serves nothing. The engine loop sends
 something at least every second (its steps, or a heartbeat); a loop silent for far longer than
 its own longest recent step is stuck (a hung kernel, a stopped process): first not ready
@@ -14,8 +16,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import os
 import shutil
 import tempfile
+import threading
 import time
 from collections import deque
 
@@ -24,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from kvrelay.config import EngineConfig, env
+from kvrelay.disagg.handshake import SERVER_VERIFIER
 from kvrelay.disagg.protocol import PDParams
 from kvrelay.engine.messages import (
     AbortRequest,
@@ -42,9 +47,19 @@ from kvrelay.engine.process import engine_main
 
 log = logging.getLogger("kvrelay.api")
 
+DEATH_EXIT_CODE = 3  # `kvrelay serve` whose engine process died
+SHUTDOWN_GRACE_S = 10.0  # then it exits whatever its connections do
+
 
 class EngineDead(Exception):
     pass
+
+
+def pd_request_events() -> dict[str, int]:
+    """PD request tokens this process refused (handshake.SERVER_VERIFIER), as bootstrap events:
+    pd_request_replayed, pd_request_stale, pd_request_bad; zeros left out."""
+    counts = SERVER_VERIFIER.take_counts()
+    return {f"pd_request_{k}": v for k, v in counts.items() if v and k != "ok"}
 
 
 class EngineClient:
@@ -75,6 +90,12 @@ class EngineClient:
         self.alive_stall_s = float(env("KVRELAY_ENGINE_STALL_S"))
         self.last_heard = time.monotonic()  # the last message from the engine loop
         self.recent_step_s: deque[float] = deque(maxlen=256)  # batch steps only
+        # Set by a standalone server (cli.py): stops it, to exit DEATH_EXIT_CODE, once the
+        # engine died (None: the server stays up and answers 503).
+        self.on_death = None
+        self.death_exit_s = float(env("KVRELAY_ENGINE_DEATH_EXIT_S"))
+        self.exit_code = 0
+        self._api_events: dict[str, int] = {}  # PD request refusals last shown in the stats
 
     @property
     def healthy(self) -> bool:
@@ -132,6 +153,13 @@ class EngineClient:
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
         return self.ready
 
+    def _with_api_events(self, stats: EngineStats) -> EngineStats:
+        """The engine's bootstrap events and this process's PD request refusals beside them."""
+        self._api_events = pd_request_events()
+        if self._api_events:
+            stats.pd_bootstrap = {**(stats.pd_bootstrap or {}), **self._api_events}
+        return stats
+
     async def _read(self) -> None:
         while True:
             msg = self._dec.decode(await self._from.recv())
@@ -139,8 +167,20 @@ class EngineClient:
             if not isinstance(msg, StepOutputs):
                 continue
             if msg.stats is None and not msg.outputs:  # a heartbeat of an idle loop
+                if (
+                    self.stats is not None
+                    and self.on_step
+                    and pd_request_events() != self._api_events
+                ):
+                    # New refusals show within a heartbeat: the last stats again, with nothing
+                    # that would be observed twice (timings, step time, components).
+                    again = msgspec.structs.replace(
+                        self.stats, batch_size=0, components=None, pd_timings=None
+                    )
+                    self.on_step(StepOutputs([], self._with_api_events(again)))
                 continue
             if msg.stats is not None:
+                self._with_api_events(msg.stats)
                 self.stats = msg.stats
                 if msg.stats.batch_size:
                     self.recent_step_s.append(msg.stats.step_ms / 1e3)
@@ -158,6 +198,20 @@ class EngineClient:
         log.error("%s; failing %d in-flight requests", self.dead_reason, len(self.queues))
         for rid, q in list(self.queues.items()):
             q.put_nowait(RequestOutput(rid, [], finish_reason="error", error=self.dead_reason))
+        if self.on_death is not None and self.death_exit_s > 0:
+            await asyncio.sleep(self.death_exit_s)  # /health says why meanwhile
+            self.exit_code = DEATH_EXIT_CODE
+            log.error(
+                "exiting: %s; a supervisor restarts this server exit_code=%d",
+                self.dead_reason,
+                DEATH_EXIT_CODE,
+            )
+            # The HTTP server's graceful shutdown; a client holding a connection open cannot
+            # keep the process up past SHUTDOWN_GRACE_S.
+            backstop = threading.Timer(SHUTDOWN_GRACE_S, os._exit, (DEATH_EXIT_CODE,))
+            backstop.daemon = True  # a clean stop first; this only if the stop hangs
+            backstop.start()
+            self.on_death()
 
     async def submit(
         self,

@@ -7,7 +7,9 @@ An ASGI middleware, so that it holds for every route and before any route reads 
   (chunked): the body is read incrementally, and the answer goes out as soon as the limit is
   passed (the server reads the rest of the body and drops it, so the client gets its 413
   rather than a reset connection).
-Both answers are OpenAI-format errors.
+- a request with both Content-Length and Transfer-Encoding gets 400 at once, its body unread,
+  and the connection is closed.
+All answers are OpenAI-format errors. (Read deadlines for headers and bodies: http_timeouts.py.)
 """
 
 from __future__ import annotations
@@ -40,6 +42,14 @@ class HttpGuard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if _ambiguous_length(scope):
+            err = APIError(
+                400,
+                "a request may not carry both Content-Length and Transfer-Encoding",
+                code="ambiguous_body_length",
+            )
+            await self._answer(err, scope, receive, send, {"connection": "close"}, read=False)
             return
         if self.key and scope["path"] not in self.open_paths and not self._key_ok(scope):
             err = APIError(
@@ -99,10 +109,29 @@ class HttpGuard:
                 return b"".join(chunks), False
 
     async def _answer(
-        self, err: APIError, scope: Scope, receive: Receive, send: Send, headers: dict[str, str]
+        self,
+        err: APIError,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        headers: dict[str, str],
+        read: bool = True,
     ) -> None:
+        """`read`: False when the body must not be read at all (its length is unknowable); the
+        response closes the connection then."""
         if self.on_reject is not None:
             self.on_reject(err.status)
         response = err.response()
         response.headers.update(headers)
-        await response(scope, receive, send)
+
+        async def nothing() -> dict:  # never the body: only a disconnect, never before it
+            return {"type": "http.disconnect"}
+
+        await response(scope, receive if read else nothing, send)
+
+
+def _ambiguous_length(scope: Scope) -> bool:
+    """Both Content-Length and Transfer-Encoding (RFC 9112 6.3: a request smuggling vector; a
+    proxy and this server could split the stream differently): refused at once, not read."""
+    names = {name for name, _ in scope["headers"]}
+    return b"content-length" in names and b"transfer-encoding" in names
