@@ -18,6 +18,10 @@ Load faults (one stack each; no process is hurt, so the launcher must restart no
   slow_peer   one server (--slow-roles: decode, prefill) sleeps --slow-step-s in every batch
               step (--test-step-delay): requests queue, or fail with a named cause within the
               router's --request-timeout; none hangs, none is silent, nothing is restarted
+  stranger    a process on the host attacks the stack under load (fault_strangers.py): floods
+              of idle and garbage connections to decode's transfer port, slowloris connections
+              to every HTTP listener, Content-Length + Transfer-Encoding bodies, replayed and
+              stale signed PD bodies; each must be refused and counted, the load unharmed
 Process faults (real signals, the launcher restarts what died), --kills of each:
   kill_prefill_server, kill_decode_server   SIGKILL the server's HTTP process (engine dies too)
   kill_prefill_engine, kill_decode_engine   SIGKILL the engine process alone
@@ -59,6 +63,7 @@ from fault_stack import (  # same directory
     router_counters,
     router_gauge,
 )
+from fault_strangers import stranger_attacks  # same directory
 
 from kvrelay.ops.procs import engine_pid
 
@@ -72,7 +77,7 @@ KILLS = (
 )
 DEFAULT_KILLS = KILLS[:4]
 PER_REQUEST = ("corrupt", "disconnect", "delay")
-LOAD = ("overload", "slow_peer")
+LOAD = ("overload", "slow_peer", "stranger")
 PHASES = PER_REQUEST + LOAD
 ROUTER_LIMIT_FLAG = "--max-concurrent-requests"
 VERDICTS = ("correct", "failed_named", "failed_unnamed", "silent", "hang", "cut")
@@ -345,6 +350,43 @@ def slow_peer_phase(role: str, stack: Stack, url: str, args, oracle: dict) -> di
     return r
 
 
+STRANGER_SECRET = "fault-campaign-stranger-phase"  # stack E's PD secret (KVRELAY_PD_SECRET)
+
+
+def stranger_phase(stack: Stack, url: str, args, oracle: dict) -> dict:
+    """Load while fault_strangers attacks the stack; every attack refused and counted (else a
+    problem), the load judged as everywhere, nothing restarted, nothing held once idle."""
+    t0, r0, restarts0 = time.monotonic(), router_counters(url), stack.restarts()
+    load = Load(url, args, oracle)
+    time.sleep(args.settle_s)  # prefill's connection to decode is up before the flood
+    urls = {"router": url, **servers(stack)}
+    faults, details, problems = stranger_attacks(urls, args.model, STRANGER_SECRET, args)
+    outs = load.stop()
+    idle = held_when_idle(servers(stack), args.idle_timeout)
+    t1 = time.monotonic()
+    restarts = stack.restarts() - restarts0
+    r = summarize(
+        "stranger",
+        faults,
+        outs,
+        idle,
+        router_counters(url) - r0,
+        wall_s=round(t1 - t0, 1),
+        restarts=restarts,
+        launcher_events=stack.events(t0, t1),
+        **details,
+    )
+    r["problems"] += problems
+    if restarts:
+        r["problems"].append(f"{restarts} restarts under strangers: {r['launcher_events']}")
+    print(
+        f"fault_campaign: stranger faults={dict(faults)} requests={r['requests']} "
+        f"correct={r['correct']} silent={r['silent']} hang={r['hang']} problems={r['problems']}",
+        flush=True,
+    )
+    return r
+
+
 def router_has_flag(flag: str) -> bool:
     """Does this checkout's `kvrelay router` take `flag`? (The overload phase needs its limit.)"""
     argv = [sys.executable, "-m", "kvrelay.cli", "router", "--help"]
@@ -412,8 +454,18 @@ def run(args: argparse.Namespace) -> dict:
         for role in slow_roles:  # Stack D-<role>: that server sleeps in every batch step
             extra = timeout + [f"--{role}-args=--test-step-delay {args.slow_step_s}"]
             stacks.append((f"D-{role}", extra, [f"slow_peer:{role}"], []))
+    if "stranger" in phases:  # Stack E: a secret the phase knows, to sign as a captured body
+        stacks.append(("E", timeout, ["stranger"], []))
     for name, extra, pr_phases, kill_kinds in stacks:
-        started = start(args, f"{log_dir}/stack{name}", extra, result, router_args.get(name, ""))
+        if name == "E":
+            os.environ["KVRELAY_PD_SECRET"] = STRANGER_SECRET  # `kvrelay up` takes it
+        try:
+            started = start(
+                args, f"{log_dir}/stack{name}", extra, result, router_args.get(name, "")
+            )
+        finally:
+            if name == "E":
+                os.environ.pop("KVRELAY_PD_SECRET", None)
         if started is None:
             result.update(verdict=f"stack {name} did not start", exit_code=2)
             return result
@@ -422,6 +474,8 @@ def run(args: argparse.Namespace) -> dict:
             for kind in pr_phases:
                 if kind == "overload":
                     r = overload_phase(stack, url, args, oracle)
+                elif kind == "stranger":
+                    r = stranger_phase(stack, url, args, oracle)
                 elif kind.startswith("slow_peer:"):
                     r = slow_peer_phase(kind.split(":", 1)[1], stack, url, args, oracle)
                 else:
@@ -526,6 +580,11 @@ def main(argv: list[str] | None = None) -> int:
     add("--slow-step-s", type=float, default=0.5, help="slow_peer: --test-step-delay of it")
     add("--slow-s", type=float, default=60.0, help="slow_peer: seconds of load")
     add("--slow-concurrency", type=int, default=16, help="slow_peer: requests in flight")
+    add("--flood-rounds", type=int, default=3, help="stranger: transfer-port flood rounds")
+    add("--flood-idle", type=int, default=150, help="stranger: idle connections per round")
+    add("--flood-garbage", type=int, default=50, help="stranger: garbage connections per round")
+    add("--slowloris-per-target", type=int, default=100, help="stranger: per HTTP listener")
+    add("--stranger-requests", type=int, default=20, help="stranger: CL+TE bodies, replays, stale")
     add("--idle-timeout", type=float, default=20.0, help="s an idle server may take to free all")
     add("--silent-s", type=float, default=8.0, help="silent_decode: seconds decode is stopped")
     add("--settle-s", type=float, default=3.0, help="seconds of steady load before a kill")

@@ -119,7 +119,9 @@ def launch_config(a: argparse.Namespace):
         router_args=tuple(shlex.split(a.router_args)),
         health_timeout_s=a.health_timeout,
         api_key=a.api_key if a.api_key is not None else env("KVRELAY_API_KEY"),
-        pd_secret=secrets.token_urlsafe(32),  # this stack's own: its children get it, no one else
+        # This stack's own (its children get it, no one else), unless KVRELAY_PD_SECRET names
+        # one (servers on another host, or a harness that signs as the router would).
+        pd_secret=env("KVRELAY_PD_SECRET") or secrets.token_urlsafe(32),
     )
 
 

@@ -98,23 +98,28 @@ def test_prompt_hash_tells_prompts_apart():
 
 @pytest.fixture
 def tcp_pair():
-    """A listening and a connecting TcpTransport; frames received on either side go to a queue."""
+    """A listening and a connecting TcpTransport; frames received on either side go to a queue.
+    The connection's first frame stands in for the agents' handshake: the listener takes its
+    peer as authenticated on it (before that, the listener's gate refuses any payload)."""
     server_rx: queue.Queue = queue.Queue()
     client_rx: queue.Queue = queue.Queue()
     closed: queue.Queue = queue.Queue()
     srv, cli = TcpTransport(max_payload=64 << 20), TcpTransport(max_payload=64 << 20)
-    addr = srv.listen(
-        "127.0.0.1",
-        0,
-        lambda c, h, p: server_rx.put((c, h, bytes(p))),
-        lambda c, r: closed.put(("server", r)),
-    )
+
+    def on_server_message(c, h, p) -> None:
+        if not c.is_authenticated:
+            c.authenticated()
+            return
+        server_rx.put((c, h, bytes(p)))
+
+    addr = srv.listen("127.0.0.1", 0, on_server_message, lambda c, r: closed.put(("server", r)))
     conn = cli.connect(
         addr,
         lambda c, h, p: client_rx.put((c, h, bytes(p))),
         lambda c, r: closed.put(("client", r)),
         timeout_s=5,
     )
+    conn.send(P.encode(P.TransferDone("handshake")))
     yield addr, conn, server_rx, client_rx, closed
     cli.close()
     srv.close()
