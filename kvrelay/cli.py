@@ -162,6 +162,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="output tokens reserved in KV at admission at most; beyond, KV grows on demand",
     )
     g.add_argument(
+        "--max-decode-slowdown",
+        type=float,
+        default=s.max_decode_slowdown,
+        metavar="R",
+        help="while requests decode, a step carries only the prefill tokens that keep it within "
+        "R x a decode-only step (both measured from recent steps; at least one page per step): "
+        "decode keeps its pace, prefills take more steps. 0: off, the step budget alone",
+    )
+    g.add_argument(
         "--test-fault-swap-token",
         default=None,
         metavar="P,K",
@@ -354,6 +363,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
             max_running_requests=a.max_running_requests,
             kv_reserve_ratio=a.kv_reserve_ratio,
             kv_reserve_max_tokens=a.kv_reserve_max_tokens,
+            max_decode_slowdown=a.max_decode_slowdown,
         ),
         fault_swap_token_p=p,
         fault_swap_token_min_batch=k,
@@ -468,6 +478,7 @@ def _uvicorn_config(app, a: argparse.Namespace):
     class Protocol(TimedH11Protocol):
         header_timeout_s = float(env("KVRELAY_HTTP_HEADER_TIMEOUT_S"))
         body_timeout_s = float(env("KVRELAY_HTTP_BODY_TIMEOUT_S"))
+        max_pending = int(env("KVRELAY_HTTP_MAX_PENDING"))
 
     return uvicorn.Config(
         app,

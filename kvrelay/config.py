@@ -66,6 +66,9 @@ class SchedulerConfig:
     # ... but for at most this many output tokens: a request without max_tokens (the whole
     # context) must not hold the pool. Beyond it KV grows on demand (preemption if it runs dry).
     kv_reserve_max_tokens: int = 256
+    # While requests decode, a step's prefill tokens keep it within this many times a
+    # decode-only step (measured online, engine/step_budget.py); 0: off (the whole budget).
+    max_decode_slowdown: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -219,6 +222,12 @@ ENV_KNOBS: dict[str, EnvKnob] = {
             "30",
             "server and router close a connection whose request body is not complete this many "
             "seconds after its headers",
+        ),
+        EnvKnob(
+            "KVRELAY_HTTP_MAX_PENDING",
+            "1024",
+            "server and router close a new connection at once while this many wait for their "
+            "request headers",
         ),
         EnvKnob(
             "KVRELAY_ENGINE_DEATH_EXIT_S",

@@ -9,6 +9,9 @@ a descriptor for as long as it likes. Here:
   140 kB/s);
 else the connection is closed (the app, if it waits for the body, sees the client leave). A
 response being written or a generation running has no deadline here (the app has its own).
+At most MAX_PENDING connections of a process wait for their headers at once (nothing about them
+is known yet, not even an API key): past that a new connection is closed at once, so that a flood
+of them leaves descriptors for the requests in flight (the router's to its servers, the engine's).
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ log = logging.getLogger("kvrelay.http")
 
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0
+MAX_PENDING = 1024  # the servers raise their open-files limit to 4096
 
 
 class ReadTimeouts:
     """What the timers closed since start, and when the last line about it was logged."""
 
     def __init__(self) -> None:
-        self.closed = {"headers": 0, "body": 0}
+        self.closed = {"headers": 0, "body": 0, "refused": 0}
         self._logged = 0.0
 
     def count(self, phase: str, client) -> None:
@@ -51,11 +55,17 @@ READ_TIMEOUTS = ReadTimeouts()  # this process's totals (one listener per proces
 class TimedH11Protocol(H11Protocol):
     header_timeout_s = HEADER_TIMEOUT_S
     body_timeout_s = BODY_TIMEOUT_S
+    max_pending = MAX_PENDING
+    waiting = [0]  # connections of this process waiting for their headers (one event loop)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._read_timer = None
         self._phase = ""
+        if self.waiting[0] >= self.max_pending:
+            READ_TIMEOUTS.count("refused", self.client)
+            transport.close()
+            return
         self._arm("headers", self.header_timeout_s)
 
     def data_received(self, data: bytes) -> None:
@@ -78,15 +88,18 @@ class TimedH11Protocol(H11Protocol):
     def _arm(self, phase: str, seconds: float) -> None:
         self._disarm()
         self._phase = phase
+        self.waiting[0] += phase == "headers"
         self._read_timer = self.loop.call_later(seconds, self._expired, phase)
 
     def _disarm(self) -> None:
         if self._read_timer is not None:
             self._read_timer.cancel()
+        self.waiting[0] -= self._phase == "headers"
         self._read_timer, self._phase = None, ""
 
     def _expired(self, phase: str) -> None:
-        self._read_timer, self._phase = None, ""
+        self._read_timer = None
+        self._disarm()
         if self.transport.is_closing():
             return
         READ_TIMEOUTS.count(phase, self.client)

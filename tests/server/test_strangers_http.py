@@ -3,8 +3,9 @@ slowloris connections are closed by the read deadlines while other clients are s
 with both Content-Length and Transfer-Encoding is refused at once; a replayed (or stale) signed
 PD body is refused 403 and counted in /metrics.
 
-The server runs with 1 s header and body deadlines (KVRELAY_HTTP_*_TIMEOUT_S), so that every
-verdict here comes within seconds whatever the machine's load.
+The server runs with 1 s header and body deadlines (KVRELAY_HTTP_*_TIMEOUT_S) and at most 200
+connections waiting for their headers, so that every verdict here comes within seconds whatever
+the machine's load.
 """
 
 from __future__ import annotations
@@ -22,11 +23,16 @@ from kvrelay.disagg import handshake as H
 
 SECRET = "strangers-http-secret"
 DEADLINE_S = 1.0
+MAX_PENDING = 200  # connections waiting for their headers at once
 
 
 @pytest.fixture(scope="module")
 def server():
-    knobs = {"KVRELAY_HTTP_HEADER_TIMEOUT_S": "1", "KVRELAY_HTTP_BODY_TIMEOUT_S": "1"}
+    knobs = {
+        "KVRELAY_HTTP_HEADER_TIMEOUT_S": "1",
+        "KVRELAY_HTTP_BODY_TIMEOUT_S": "1",
+        "KVRELAY_HTTP_MAX_PENDING": str(MAX_PENDING),
+    }
     before = {k: os.environ.get(k) for k in knobs}
     os.environ.update(knobs)
     try:
@@ -62,6 +68,17 @@ def _closed_by_server(s: socket.socket, within_s: float) -> bool:
         except ConnectionResetError:
             return True
     return False
+
+
+def _at_eof(s: socket.socket) -> bool:
+    """Whether the server has closed `s` already (without waiting)."""
+    s.setblocking(False)  # (a socket with a timeout would wait for data first)
+    try:
+        return s.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
 
 
 def _drips_until_closed(s: socket.socket, within_s: float) -> bool:
@@ -104,6 +121,22 @@ def test_slowloris_connections_are_closed_while_other_clients_are_served(server)
     assert time.monotonic() - t0 < 15
     for s in silent + headers + bodies + [drip]:
         s.close()
+
+
+def test_past_the_cap_a_waiting_connection_is_closed_at_once(server):
+    """250 silent connections against a cap of 200: the 50 past it are closed at once (long
+    before the header deadline); once the deadline has freed the rest, a client is served."""
+    t0 = time.monotonic()
+    socks = [_connect(server.url) for _ in range(MAX_PENDING + 50)]
+    at_once = 0
+    while at_once < 50 and time.monotonic() - t0 < 0.8 * DEADLINE_S:  # before any deadline
+        time.sleep(0.05)
+        at_once = sum(_at_eof(s) for s in socks)
+    assert at_once == 50, at_once
+    assert all(_closed_by_server(s, 3 * DEADLINE_S) for s in socks)
+    for s in socks:
+        s.close()
+    assert httpx.get(server.url + "/v1/models", timeout=10).status_code == 200
 
 
 def test_content_length_with_transfer_encoding_is_refused_at_once(server):
