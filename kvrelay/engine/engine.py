@@ -18,6 +18,7 @@ from kvrelay.engine.request import Request
 from kvrelay.engine.runner import make_runner
 from kvrelay.engine.sampler import sample
 from kvrelay.engine.scheduler import Scheduler
+from kvrelay.engine.step_budget import PrefillBudget
 from kvrelay.layers.step_profile import COMMUNICATION, StepProfiler, timed
 from kvrelay.models import registry
 from kvrelay.weights.loader import ModelSource, resolve
@@ -33,9 +34,15 @@ class Engine:
         r = self.runner
         self.prefix_cache = self._prefix_cache_choice()
         self.host_tier, host = self._host_tier_choice()
+        sc = cfg.scheduler
+        self.prefill_budget = (
+            PrefillBudget(sc.max_decode_slowdown, r.page_size, sc.max_num_batched_tokens)
+            if sc.max_decode_slowdown
+            else None
+        )
         self.scheduler = Scheduler(
-            cfg.scheduler, r.num_pages, r.page_size, r.num_state_slots,
-            self.prefix_cache == "on", self.host_tier,
+            sc, r.num_pages, r.page_size, r.num_state_slots,
+            self.prefix_cache == "on", self.host_tier, self.prefill_budget,
         )  # fmt: skip
         log.info("prefix_cache=%s host_tier=%s role=%s", self.prefix_cache, host, cfg.role)
         self.eos_ids = set(self.src.config.eos_token_ids)
@@ -309,7 +316,12 @@ class Engine:
         self.last_step_ms = (time.perf_counter() - t0) * 1e3
         num_tokens = sum(s.num_new_tokens for s in batch)
         split = None if profile is None else profile.finish(self.last_step_ms)
-        return StepOutputs(outputs, self.stats(len(batch), num_tokens, num_prefill, split))
+        stats = self.stats(len(batch), num_tokens, num_prefill, split)
+        if self.prefill_budget is not None:
+            decoding = sum(1 for s in batch if s.num_new_tokens == 1 and s.req.output_ids)
+            self.prefill_budget.observe(decoding, num_tokens - decoding, self.last_step_ms)
+            stats.prefill_cap = self.prefill_budget.last_cap
+        return StepOutputs(outputs, stats)
 
     def _fault_active(self, batch_size: int) -> bool:
         return self.cfg.fault_swap_token_p > 0 and batch_size > self.cfg.fault_swap_token_min_batch

@@ -88,6 +88,7 @@ class EngineStats(msgspec.Struct):
     batch_size: int
     num_tokens: int
     num_prefill: int = 0  # sequences of the step that were prefill chunks (the rest decoded)
+    prefill_cap: int = 0  # prefill tokens the step was allowed (--max-decode-slowdown; 0: off)
     failed_steps: int = 0  # batch steps in a row whose forward raised (0 after a good step)
     # A profiled step: ms per component (attention, mlp | moe, communication, other).
     components: dict[str, float] | None = None

@@ -35,6 +35,7 @@ from kvrelay.cache.radix import RadixCache
 from kvrelay.config import SchedulerConfig
 from kvrelay.engine.request import Request, Status
 from kvrelay.engine.siblings import SiblingHold
+from kvrelay.engine.step_budget import PrefillBudget
 
 
 @dataclass
@@ -67,8 +68,10 @@ class Scheduler:
         num_state_slots: int = 0,
         prefix_cache: bool = False,
         host_tier: HostTier | None = None,
+        prefill_budget: PrefillBudget | None = None,
     ) -> None:
         self.cfg, self.page_size = cfg, page_size
+        self.prefill_budget = prefill_budget  # caps prefill tokens beside decoding requests
         self.page_pool = BlockPool(num_pages, "page")
         # Per-request state slots (one per running request) for models that keep state outside
         # the pages; sized max_running_requests + 1, so admission never runs out.
@@ -363,10 +366,15 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         batch: list[ScheduledRequest] = []
         unfittable: list[Request] = []
+        prefill_left = self._prefill_cap()
         for req in sorted(self.running, key=lambda r: r.arrival):
             if req.status != Status.RUNNING or budget == 0:
                 continue
             n = min(req.num_uncomputed, budget)
+            if n > 1:  # a prefill chunk: within what the decoding requests leave it
+                n = min(n, prefill_left)
+                if n == 0:
+                    continue
             while not self._grow(req, req.num_computed + n):
                 victim = self._preempt_newest()
                 batch = [s for s in batch if s.req is not victim]
@@ -379,7 +387,10 @@ class Scheduler:
             if req.status == Status.RUNNING:
                 batch.append(ScheduledRequest(req, n))
                 budget -= n
+                if n > 1:
+                    prefill_left -= n
         budget = self.cfg.max_num_batched_tokens - sum(s.num_new_tokens for s in batch)
+        budget = min(budget, prefill_left)  # what waits is prefill
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
             req = self.waiting[0]
             if self._pages_for(req.num_tokens) > self.page_pool.num_usable:
@@ -417,6 +428,18 @@ class Scheduler:
             batch.append(ScheduledRequest(req, n))
             budget -= n
         return batch, unfittable
+
+    def _prefill_cap(self) -> int:
+        """Prefill tokens this step may carry: the whole budget, or with a PrefillBudget what
+        keeps the requests now decoding at their pace."""
+        if self.prefill_budget is None:
+            return self.cfg.max_num_batched_tokens
+        decoding = sum(
+            1
+            for r in self.running
+            if r.status == Status.RUNNING and r.num_uncomputed == 1 and r.output_ids
+        )
+        return self.prefill_budget.cap(decoding)
 
     def advance(self, batch: list[ScheduledRequest]) -> None:
         """The step's forward wrote its chunks: count them, cache the prompt pages completed."""

@@ -32,6 +32,7 @@ class StepTelemetry:
             s.step_ms,
             s.num_prefill,
             s.components,
+            s.prefill_cap,
         )
         self.steps.append(row)
         self.next_seq += 1
@@ -53,7 +54,7 @@ class StepTelemetry:
         }
 
 
-def _step_dict(seq, t, batch, tokens, ms, prefill, components) -> dict:
+def _step_dict(seq, t, batch, tokens, ms, prefill, components, prefill_cap) -> dict:
     d = {
         "seq": seq,
         "time": t,
@@ -64,4 +65,6 @@ def _step_dict(seq, t, batch, tokens, ms, prefill, components) -> dict:
     }
     if components is not None:
         d["components"] = components
+    if prefill_cap:
+        d["prefill_cap"] = prefill_cap
     return d
