@@ -65,6 +65,7 @@ def start(mode: str, a: argparse.Namespace, log_dir: str) -> tuple[subprocess.Po
     ]  # `up` passes these on
     if a.tokenizer:
         per_server += ["--tokenizer", a.tokenizer]
+    per_server += shlex.split(a.server_args)  # e.g. "--max-decode-slowdown 1.3"
     if mode == "single":
         cmd = ["serve", "--port", str(port), *common, *per_server]
     else:
@@ -162,6 +163,7 @@ def main() -> None:
     p.add_argument("--gpus", default=None, help="CUDA_VISIBLE_DEVICES of both PD servers")
     p.add_argument("--prefill-gpus", default=None, help="prefill's GPUs (default --gpus; N: TP=N)")
     p.add_argument("--decode-gpus", default=None, help="decode's GPUs (default --gpus; N: TP=N)")
+    p.add_argument("--server-args", default="", help="more arguments for every server (one string)")
     p.add_argument("--verify-prompts", type=int, default=16, help="0: no verify")
     p.add_argument("--start-timeout", type=float, default=300)
     p.add_argument("--bench-timeout", type=float, default=900)
@@ -208,6 +210,7 @@ def meta(a: argparse.Namespace) -> dict:
         "model": a.model,
         "input_len": a.input_len,
         "output_len": a.output_len,
+        "server_args": a.server_args,
         "device": device,
         "date": datetime.date.today().isoformat(),
     }
