@@ -34,12 +34,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.background import BackgroundTask
 
 from kvrelay.config import RouterConfig
+from kvrelay.disagg import router_fanout, router_metrics, router_prompt_logprobs
 from kvrelay.disagg.handshake import PD_AUTH_HEADER, request_token
 from kvrelay.disagg.protocol import pd_status
 from kvrelay.disagg.router_lanes import ClientLanes
 from kvrelay.disagg.router_probe import ServerProbe
 from kvrelay.server import prompt_logprobs
-from kvrelay.server.errors import bad_request, install_error_handlers
+from kvrelay.server.errors import install_error_handlers
 from kvrelay.server.guard import HttpGuard
 from kvrelay.server.openapi_doc import document_bodies
 from kvrelay.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -195,6 +196,46 @@ class Router:
             if not streaming:  # a stream's Relay releases its lane when it ends
                 self.release(lane)
 
+    async def route_prefill_only(
+        self, path: str, body: dict, request: Request | None = None
+    ) -> Response:
+        """A request that generates nothing (completions' max_tokens 0 with echo: the prompt's
+        scores are the answer) needs no decode: a prefill server answers it as one server does
+        (a plain request, no PD fields; it runs the prompt, which is all there is to do)."""
+        url = self.pick()[0] + path
+        client = self.lanes.clients[0]
+        data = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        try:
+            if not body.get("stream"):
+                r = await client.post(url, content=data, headers=headers)
+                self.requests.labels(outcome="ok" if r.status_code == 200 else "error").inc()
+                return Response(r.content, status_code=r.status_code, media_type="application/json")
+            resp = await client.send(
+                client.build_request("POST", url, content=data, headers=headers), stream=True
+            )
+        except httpx.HTTPError as e:
+            self.requests.labels(outcome="error").inc()
+            return self._http_failure("prefill", e).response()
+        if resp.status_code != 200:
+            body_bytes = await resp.aread()
+            await resp.aclose()
+            self.requests.labels(outcome="error").inc()
+            return Response(body_bytes, status_code=resp.status_code, media_type="application/json")
+        self.requests.labels(outcome="ok").inc()
+
+        async def events():
+            try:
+                async for line in resp.aiter_lines():
+                    if line.strip():
+                        yield line + "\n\n"
+            finally:
+                await resp.aclose()
+
+        return StreamingResponse(
+            events(), media_type="text/event-stream", background=BackgroundTask(resp.aclose)
+        )
+
     async def _route(self, path: str, body: dict, request: Request | None, lane: int) -> Response:
         stream = bool(body.get("stream"))
         last: RouteError | None = None
@@ -267,6 +308,8 @@ class Router:
         )
         ptask = asyncio.create_task(self._prefill(client, p_url + path, pbody))
         dresp: httpx.Response | None = None
+        scores = router_prompt_logprobs.needed(path, body)  # prefill's part of the answer
+        patch = None
         try:
             dresp = await self._race(dtask, ptask, rid)
             if dresp.status_code != 200:
@@ -274,7 +317,10 @@ class Router:
             if not stream:
                 data = await dresp.aread()
                 await dresp.aclose()
-                asyncio.create_task(self._drain(ptask, rid))
+                if scores:
+                    data = router_prompt_logprobs.merge_body(path, body, data, await ptask)
+                else:
+                    asyncio.create_task(self._drain(ptask, rid))
                 return Response(data, media_type="application/json")
             lines = dresp.aiter_lines()
             first = await self._race(asyncio.create_task(self._next_event(lines)), ptask, rid)
@@ -286,6 +332,11 @@ class Router:
                 err = json.loads(first[6:])["error"]
                 code = err.get("code") or "decode_error"
                 raise RouteError(pd_status(code), f"decode: {err.get('message')}", code)
+            if (
+                scores
+            ):  # prefill answers once decode has its KV: about when decode's first event comes
+                patch = router_prompt_logprobs.event_patcher(path, body, await ptask)
+                first = patch(first)
         except BaseException:
             dtask.cancel()
             if dresp is not None:
@@ -293,8 +344,9 @@ class Router:
             if not ptask.done():
                 ptask.cancel()
             raise
-        asyncio.create_task(self._drain(ptask, rid))
-        relay = Relay(self, first, lines, dresp, rid, lane)
+        if not scores:
+            asyncio.create_task(self._drain(ptask, rid))
+        relay = Relay(self, first, lines, dresp, rid, lane, patch)
         # The background task runs even when the client left before the stream started, when the
         # generator's own cleanup never runs: it closes decode's response, which aborts the request.
         return StreamingResponse(
@@ -310,13 +362,15 @@ class Router:
         }
         return client.build_request("POST", url, content=data, headers=headers)
 
-    async def _prefill(self, client: httpx.AsyncClient, url: str, body: dict) -> None:
+    async def _prefill(self, client: httpx.AsyncClient, url: str, body: dict) -> bytes:
+        """Prefill's answer (what it computed of the prompt: its scores, when asked)."""
         try:
             r = await client.send(self._signed(client, url, body))
         except httpx.HTTPError as e:
             raise self._http_failure("prefill", e) from None
         if r.status_code != 200:
             raise _error_of(r.status_code, r.content, "prefill")
+        return r.content
 
     async def _race(self, task: asyncio.Task, ptask: asyncio.Task, rid: str):
         """Wait for `task`; a prefill failure that comes first wins (decode would only time out)."""
@@ -381,10 +435,18 @@ class Relay:
     """Decode's SSE stream, relayed to the client; a broken decode stream becomes an error event."""
 
     def __init__(
-        self, router: Router, first: str, lines, dresp: httpx.Response, rid: str, lane: int
+        self,
+        router: Router,
+        first: str,
+        lines,
+        dresp: httpx.Response,
+        rid: str,
+        lane: int,
+        patch=None,
     ) -> None:
         self.router, self.first, self.lines, self.dresp, self.rid = router, first, lines, dresp, rid
         self.lane = lane
+        self.patch = patch  # puts prefill's prompt scores into decode's events (None: none)
         self.ended = False  # decode's stream reached its end (or broke): the client saw it all
         self.broken = False  # decode's stream broke (the client got an error event)
         self.closed = False
@@ -403,7 +465,7 @@ class Relay:
                         yield line + "\n\n"
                         return
                     if line.strip():
-                        yield line + "\n\n"
+                        yield (self.patch(line) if self.patch else line) + "\n\n"
             except httpx.HTTPError as e:
                 self.router.failures.labels(cause="stream_broken").inc()
                 log.warning("decode stream broke rid=%s error=%s", self.rid, e)
@@ -485,12 +547,27 @@ def create_router_app(cfg: RouterConfig, on_ready=None) -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
-        return PlainTextResponse(generate_latest(router.registry).decode())
+        """The router's metrics, then its servers' (router_metrics.py: relabelled per server,
+        each fetched within a short timeout)."""
+        own = generate_latest(router.registry).decode()
+        servers = [(u, "prefill") for u in cfg.prefill] + [(u, "decode") for u in cfg.decode]
+        return PlainTextResponse(own + await router_metrics.servers_text(router.client, servers))
 
-    async def from_decode(path: str) -> Response:
-        """A read-only GET answered by the first decode server (they all serve one model)."""
+    @app.api_route("/ping", methods=["GET", "POST"], response_class=PlainTextResponse)
+    async def ping():
+        """Liveness (vLLM's /ping), as /health."""
+        return PlainTextResponse("ok")
+
+    async def from_decode(path: str, body: bytes | None = None) -> Response:
+        """A read-only request answered by a decode server (they all serve one model and one
+        tokenizer): the first ready one at the last probe."""
+        url = (router.probe.ready_urls("decode") or cfg.decode)[0] + path
         try:
-            r = await router.client.get(cfg.decode[0] + path)
+            if body is None:
+                r = await router.client.get(url)
+            else:
+                headers = {"Content-Type": "application/json"}
+                r = await router.client.post(url, content=body, headers=headers)
         except httpx.HTTPError as e:
             return RouteError(
                 503, f"decode server unreachable: {e}", "decode_unreachable"
@@ -505,33 +582,50 @@ def create_router_app(cfg: RouterConfig, on_ready=None) -> FastAPI:
     async def model(model_id: str):
         return await from_decode(f"/v1/models/{quote(model_id, safe='')}")
 
-    async def _body(request: Request, schema) -> dict:
+    @app.get("/version")
+    async def version():
+        return await from_decode("/version")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await from_decode("/tokenize", await request.body())
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await from_decode("/detokenize", await request.body())
+
+    async def _body(request: Request, schema) -> tuple[dict, object]:
         """The client's body, validated as the servers will (a 400 here costs no pair)."""
         body = parse_json(await request.body())
         body.pop("kvrelay_pd", None)  # only the router sets it
         req = validate(schema, body)
-        if schema is GenerateRequest:  # one sample, no prompt logprobs: nothing to refuse
-            return body
-        prompt_logprobs.check(req, pd=True)  # a 400, not a silent drop
-        if req.n > 1:
-            raise bad_request("n > 1 is not supported through the PD router", "n")
-        return body
+        if schema is not GenerateRequest:
+            prompt_logprobs.check(req)  # what one server refuses, refused before routing
+        return body, req
+
+    async def handle(path: str, request: Request, schema) -> Response:
+        """One PD request, or one per prompt and sample (router_fanout.py); a completion that
+        generates nothing (max_tokens 0: the prompt's scores alone) is prefill's alone."""
+        body, req = await _body(request, schema)
+        route = router.route_prefill_only if body.get("max_tokens") == 0 else router.route
+        subs = router_fanout.split(path, body, req)
+        if subs is None:
+            return await route(path, body, request)
+        n = getattr(req, "n", 1)
+        return await router_fanout.run(path, body, subs, n, lambda b: route(path, b, request))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = await _body(request, ChatCompletionRequest)
-        return await router.route("/v1/chat/completions", body, request)
+        return await handle("/v1/chat/completions", request, ChatCompletionRequest)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _body(request, CompletionRequest)
-        return await router.route("/v1/completions", body, request)
+        return await handle("/v1/completions", request, CompletionRequest)
 
     @app.post("/generate")
     async def generate(request: Request):
         """SGLang's native generate, disaggregated like the OpenAI routes."""
-        body = await _body(request, GenerateRequest)
-        return await router.route("/generate", body, request)
+        return await handle("/generate", request, GenerateRequest)
 
     routes = {
         ("POST", "/v1/chat/completions"): ChatCompletionRequest,

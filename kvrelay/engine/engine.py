@@ -119,10 +119,12 @@ class Engine:
                 "prompt logprobs (echo with logprobs, prompt_logprobs) are not supported with "
                 "tensor parallel yet"
             )
-        elif msg.pd is not None and (p.prompt_logprobs is not None or p.max_tokens < 1):
-            error = (
-                "prompt logprobs (echo with logprobs, prompt_logprobs) are not supported in PD mode"
-            )
+        elif msg.pd is not None and p.max_tokens < 1:
+            error = "max_tokens 0 is not a PD request (the router sends it to prefill alone)"
+        elif msg.pd is not None and msg.pd.role != "prefill" and p.prompt_logprobs is not None:
+            # Prefill runs the prompt and scores it (the router merges its scores into decode's
+            # answer); decode never runs it.
+            error = "prompt logprobs are computed by the PD prefill server, not decode"
         if error:
             self._pending.append(RequestOutput(msg.rid, [], finish_reason="rejected", error=error))
             if msg.pd is not None and self.agent is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import asdict
@@ -28,7 +29,7 @@ from kvrelay.engine.messages import SamplingParams
 from kvrelay.server import openai_format as fmt
 from kvrelay.server import prompt_logprobs as plp
 from kvrelay.server import sglang_api as sglang
-from kvrelay.server import structured
+from kvrelay.server import structured, utility_routes
 from kvrelay.server.chat_format import ChatFormat, UnsupportedField
 from kvrelay.server.chat_output import ChatOutputParser, delta_dict, message_dict
 from kvrelay.server.engine_client import EngineClient, EngineDead
@@ -45,7 +46,12 @@ from kvrelay.server.generation_defaults import resolve as resolve_sampling
 from kvrelay.server.guard import HttpGuard
 from kvrelay.server.metrics import Metrics
 from kvrelay.server.openapi_doc import document_bodies
-from kvrelay.server.schemas import INT32_MAX, ChatCompletionRequest, CompletionRequest
+from kvrelay.server.schemas import (
+    INT32_MAX,
+    ChatCompletionRequest,
+    CompletionRequest,
+    child_seed,
+)
 from kvrelay.server.sglang_api import GenerateRequest
 from kvrelay.server.telemetry import StepTelemetry
 from kvrelay.server.tokenizer import load_tokenizer
@@ -69,6 +75,7 @@ class ServerState:
         self.chat_format: ChatFormat | None = None
         self.sampling_defaults = model_defaults(cfg.generation_config, self.src)
         self._info: dict | None = None
+        self.started = int(time.time())
 
     def _on_step(self, msg) -> None:
         self.metrics.on_step(msg)
@@ -179,6 +186,8 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             raise unavailable(f"generation failed: {e.message}") from None
         return PlainTextResponse("ok")
 
+    utility_routes.register(app, state)  # /tokenize, /detokenize, /version, /ping
+
     @app.get("/pd/info")
     async def pd_info():
         """What a PD router needs: this server's role, engine instance id, KV transfer address
@@ -232,7 +241,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         return {
             "id": state.model_name,
             "object": "model",
-            "created": 0,
+            "created": state.started,  # when this server started (vLLM: the card's creation)
             "owned_by": "kvrelay",
             "root": cfg.engine.model,  # what the weights were loaded from, as the operator said
             "parent": None,  # a base model, not a fine-tune (LoRA) of another served one
@@ -472,7 +481,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         if req.n > cfg.max_n:
             raise bad_request(f"n={req.n} is not supported (at most {cfg.max_n})", "n")
         if req.n > 1 and "kvrelay_pd" in (req.model_extra or {}):
-            raise bad_request("n > 1 is not supported through the PD router", "n")
+            raise bad_request("a PD request carries one sample (the router splits n > 1)", "n")
         plp.check(req)
         _check_ready(req)
 
@@ -511,7 +520,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
         params = SamplingParams(
             max_tokens=max_tokens,
             **resolve_sampling(req, state.sampling_defaults),
-            seed=None if req.seed is None else _child_seed(req.seed, index),
+            seed=None if req.seed is None else child_seed(req.seed, index),
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             stop_token_ids=tuple(req.stop_token_ids or ()),
@@ -706,11 +715,6 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
 class StepProfileRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     every: int = Field(strict=True, ge=0, le=INT32_MAX, description="every N-th step; 0: off")
-
-
-def _child_seed(seed: int, index: int) -> int:
-    """Sample `index`'s seed, kept in the int64 range the seed field allows (index 0: seed)."""
-    return (seed + index + 2**63) % 2**64 - 2**63
 
 
 def _scored_elsewhere(req) -> bool:

@@ -10,8 +10,9 @@ response shapes.
   token itself and the top k; per choice on completions, at the top level on chat (as vLLM).
 
 Refused with a 400: `max_tokens` 0 without `echo`; `prompt_logprobs` with `stream` (vLLM refuses
-it too); prompt logprobs through the PD router (prefill computes the prompt, decode answers: the
-prompt's logprobs would have to travel with the KV, which they do not).
+it too). Through the PD router the prefill server scores the prompt (it runs it) and the router
+merges its part into decode's answer (disagg/router_prompt_logprobs.py); `max_tokens` 0 goes to a
+prefill server alone.
 """
 
 from __future__ import annotations
@@ -37,19 +38,12 @@ def wanted(req) -> int | None:
     return k
 
 
-def check(req, pd: bool = False) -> None:
-    """400s for what cannot be answered (`pd`: the request goes through the PD router)."""
+def check(req) -> None:
+    """400s for what cannot be answered (one server and the PD router alike)."""
     if getattr(req, "max_tokens", None) == 0 and not _echo(req):
         raise bad_request("max_tokens must be at least 1 (0 only with echo)", "max_tokens")
     if getattr(req, "prompt_logprobs", None) is not None and req.stream:
         raise bad_request("prompt_logprobs is not available with stream=true", "prompt_logprobs")
-    if pd and (wanted(req) is not None or req.max_tokens == 0):
-        param = "prompt_logprobs" if getattr(req, "prompt_logprobs", None) is not None else "echo"
-        raise bad_request(
-            "prompt logprobs (echo with logprobs, max_tokens 0, prompt_logprobs) are not "
-            "supported through the PD router; send them to a single server",
-            param,
-        )
 
 
 def _finite(x: float) -> float:

@@ -25,6 +25,13 @@ Positive = Annotated[int, Field(ge=1, le=INT32_MAX)]
 MAX_BATCH_PROMPTS = 1024  # prompts in one batched request (completions, SGLang's /generate)
 
 
+def child_seed(seed: int, index: int) -> int:
+    """Sample `index`'s seed of a request with n samples (vLLM's children: seed + index), kept
+    in the int64 range the seed field allows (index 0: seed). The PD router seeds the samples
+    it sends one by one with the same."""
+    return (seed + index + 2**63) % 2**64 - 2**63
+
+
 class FieldError(ValueError):
     """A check across fields that names the one to blame (validation.py reads `param`)."""
 

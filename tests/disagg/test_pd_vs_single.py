@@ -233,3 +233,173 @@ def test_an_unauthenticated_transfer_peer_is_refused(pd):
         "transfer peer refused" in pd.decode.log()
         and "cause=peer_unauthenticated" in pd.decode.log()
     )
+
+
+# ---------------------------------------------------------------- issue 28: the full surface
+
+
+def _both(pd, server, path: str, body: dict) -> tuple[dict, dict]:
+    """The same body to the single server and through the router: both answers (200s)."""
+    out = []
+    for url in (server.url, pd.router.url):
+        r = httpx.post(url + path, json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        out.append(r.json())
+    return out[0], out[1]
+
+
+def _same_choices(want: dict, got: dict, abs_tol: float = 1e-3) -> None:
+    assert [c["index"] for c in got["choices"]] == [c["index"] for c in want["choices"]]
+    for w, g in zip(want["choices"], got["choices"], strict=True):
+        assert g.get("text", g.get("message")) == w.get("text", w.get("message"))
+        assert g["finish_reason"] == w["finish_reason"]
+        if w.get("logprobs") and "token_logprobs" in w["logprobs"]:
+            wl, gl = w["logprobs"], g["logprobs"]
+            assert gl["tokens"] == wl["tokens"] and gl["text_offset"] == wl["text_offset"]
+            assert gl["token_logprobs"][0] == wl["token_logprobs"][0]
+            assert gl["token_logprobs"][1:] == pytest.approx(wl["token_logprobs"][1:], abs=abs_tol)
+    for k in ("prompt_tokens", "completion_tokens"):
+        assert got["usage"][k] == want["usage"][k], k
+
+
+def test_n_samples_and_batches_match_single_server(pd, server):
+    """n > 1 (greedy and seeded) and batched prompts through PD: the router sends one PD request
+    per prompt and sample, seeds sample j as one server does (seed + j), and merges in order."""
+    greedy = {"model": MODEL, "prompt": ["1, 2, 3,", "The capital of France is"], "n": 2,
+              "max_tokens": 5, "temperature": 0, "logprobs": 1}  # fmt: skip
+    _same_choices(*_both(pd, server, "/v1/completions", greedy))
+    seeded = {"model": MODEL, "prompt": "Once upon a time", "n": 3, "max_tokens": 8,
+              "temperature": 1.0, "seed": 7}  # fmt: skip
+    want, got = _both(pd, server, "/v1/completions", seeded)
+    _same_choices(want, got)
+    assert len({c["text"] for c in want["choices"]}) > 1  # the samples differ: seeds apply
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}],
+            "n": 2, "max_tokens": 6, "temperature": 1.0, "seed": 3}  # fmt: skip
+    _same_choices(*_both(pd, server, "/v1/chat/completions", chat))
+    # Streamed through the router: the official client sees the same choices and one usage.
+    c = client(pd.router.url)
+    texts, usage = {}, None
+    stream = c.completions.create(**{**seeded, "prompt": ["Once upon a time", "Hello"]},
+                                  stream=True, stream_options={"include_usage": True})  # fmt: skip
+    ids = set()
+    for chunk in stream:
+        ids.add(chunk.id)
+        usage = chunk.usage or usage
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+    want, _ = _both(
+        pd, server, "/v1/completions", {**seeded, "prompt": ["Once upon a time", "Hello"]}
+    )
+    assert texts == {ch["index"]: ch["text"] for ch in want["choices"]} and len(ids) == 1
+    assert usage.completion_tokens == want["usage"]["completion_tokens"]
+    assert usage.prompt_tokens == want["usage"]["prompt_tokens"]
+    pd.wait_idle()
+
+
+def test_prompt_logprobs_and_echo_match_single_server(pd, server):
+    """echo + logprobs, vLLM's prompt_logprobs (completions and chat), max_tokens 0 and a
+    streamed echo: prefill scores the prompt, the router merges its part into decode's answer."""
+    prompt = STORY * 3  # longer than prefill's 64-token chunk: scored chunk by chunk
+    echo = {"model": MODEL, "prompt": prompt, "echo": True, "logprobs": 2, "max_tokens": 3,
+            "temperature": 0}  # fmt: skip
+    want, got = _both(pd, server, "/v1/completions", echo)
+    _same_choices(want, got)
+    assert len(got["choices"][0]["logprobs"]["tokens"]) == got["usage"]["prompt_tokens"] + 3
+    for w, g in zip(want["choices"][0]["logprobs"]["top_logprobs"][1:], got["choices"][0]["logprobs"]["top_logprobs"][1:], strict=True):  # fmt: skip
+        assert g == pytest.approx(w, abs=1e-3)
+    want, got = _both(pd, server, "/v1/completions", {**echo, "max_tokens": 0})
+    _same_choices(want, got)
+    vllm = {"model": MODEL, "prompt": "The capital of France is", "prompt_logprobs": 2,
+            "max_tokens": 2, "temperature": 0}  # fmt: skip
+    want, got = _both(pd, server, "/v1/completions", vllm)
+    _same_choices(want, got)
+    _same_prompt_logprobs(
+        want["choices"][0]["prompt_logprobs"], got["choices"][0]["prompt_logprobs"]
+    )
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi there"}],
+            "prompt_logprobs": 1, "max_tokens": 2, "temperature": 0}  # fmt: skip
+    want, got = _both(pd, server, "/v1/chat/completions", chat)
+    _same_prompt_logprobs(want["prompt_logprobs"], got["prompt_logprobs"])
+    runs = []  # a streamed echo: the prompt's entries lead the first chunk, on both
+    for url in (server.url, pd.router.url):
+        chunks = [
+            c for ch in client(url).completions.create(**echo, stream=True) for c in ch.choices
+        ]
+        runs.append(("".join(c.text for c in chunks), chunks[0].logprobs))
+    (want_text, want_first), (got_text, got_first) = runs
+    assert got_text == want_text and got_first.tokens == want_first.tokens
+    assert len(got_first.tokens) > 50  # the ~100 prompt tokens (and the first generated)
+    assert got_first.token_logprobs[0] is None
+    assert got_first.token_logprobs[1:] == pytest.approx(want_first.token_logprobs[1:], abs=1e-3)
+    pd.wait_idle()
+
+
+def _same_prompt_logprobs(want: list, got: list) -> None:
+    assert got[0] is None and len(got) == len(want)
+    for w, g in zip(want[1:], got[1:], strict=True):
+        assert set(g) == set(w)
+        for tok in w:
+            assert g[tok]["rank"] == w[tok]["rank"]
+            assert g[tok]["decoded_token"] == w[tok]["decoded_token"]
+            assert g[tok]["logprob"] == pytest.approx(w[tok]["logprob"], abs=1e-3)
+
+
+def test_lm_eval_batched_loglikelihood_through_pd(pd, server):
+    """lm-eval's recorded batch (8 token-id prompts, echo, max_tokens 1, logprobs 1) through the
+    router: the scores one server gives (it was a 400: batched prompts and echo refused)."""
+    from pathlib import Path
+
+    fx = json.loads((Path(__file__).parents[1] / "server" / "fixtures" / "lm_eval_loglikelihood_batch.json").read_text())  # fmt: skip
+    want, got = _both(pd, server, "/v1/completions", fx["request"])
+    _same_choices(want, got)
+    for c, ctxlen in zip(got["choices"], fx["ctxlens"], strict=True):
+        assert len(c["logprobs"]["token_logprobs"][ctxlen:-1]) > 0
+    pd.wait_idle()
+
+
+def test_sglang_bench_and_logprobs_through_pd(pd, server):
+    """sglang bench_serving's recorded session runs against the router; SGLang logprobs (input
+    from prefill, output from decode) equal one server's; a batch of texts too."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "server"))
+    from test_generate_logprobs import replay_bench
+
+    replay_bench(pd.router.url)
+    body = {"text": "1, 2, 3, 4,", "sampling_params": {"temperature": 0, "max_new_tokens": 4},
+            "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
+            "return_text_in_logprobs": True}  # fmt: skip
+    want, got = _both(pd, server, "/generate", body)
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        w, g = want["meta_info"][key], got["meta_info"][key]
+        assert [x[1:] for x in g] == [x[1:] for x in w], key
+        assert [x[0] for x in g[1:]] == pytest.approx([x[0] for x in w[1:]], abs=1e-3), key
+    assert got["meta_info"]["input_token_logprobs"][0][0] is None
+    assert len(got["meta_info"]["input_top_logprobs"]) == len(
+        want["meta_info"]["input_top_logprobs"]
+    )
+    want, got = _both(pd, server, "/generate", {"text": ["Hello", "1, 2,"], "sampling_params": {"temperature": 0, "max_new_tokens": 3}})  # fmt: skip
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    pd.wait_idle()
+
+
+def test_router_serves_the_utility_routes_and_server_metrics(pd, server):
+    """/tokenize, /detokenize and /version answered by a server behind the router; /ping and
+    HEAD /health by the router; its /metrics carries each server's engine metrics, labelled."""
+    body = {"prompt": "Hello world", "add_special_tokens": False}
+    want, got = _both(pd, server, "/tokenize", body)
+    assert got == want and got["tokens"]
+    r = httpx.post(pd.router.url + "/detokenize", json={"tokens": got["tokens"]}, timeout=30)
+    assert r.json() == {"prompt": "Hello world"}
+    assert httpx.get(pd.router.url + "/version", timeout=30).json()["version"]
+    assert httpx.get(pd.router.url + "/ping", timeout=30).status_code == 200
+    assert httpx.post(pd.router.url + "/ping", timeout=30).status_code == 200
+    assert httpx.head(pd.router.url + "/health", timeout=30).status_code == 200
+    text = httpx.get(pd.router.url + "/metrics", timeout=30).text
+    for role, srv in (("prefill", pd.prefill), ("decode", pd.decode)):
+        labels = f'server="{srv.url}",role="{role}"'
+        assert f"kvrelay_router_server_scrape_ok{{{labels}}} 1" in text
+        assert f"kvrelay_kv_pages_used{{{labels}}}" in text
+    assert text.count("# TYPE kvrelay_kv_pages_used ") == 1  # one family, both servers in it
+    assert "kvrelay_router_requests_total" in text
