@@ -1,6 +1,7 @@
 """The short fault campaign (benchmarks/fault_campaign.py) on real `kvrelay up` stacks: corrupted
 transfers and client disconnects mid-stream under concurrent load, then overload (8x the router's
---max-concurrent-requests, servers running fewer than it). Every answer is token-equal to a
+--max-concurrent-requests, servers running fewer than it), then strangers (a flood of idle and
+garbage connections to the transfer port, slowloris, ambiguous bodies, replayed PD signatures). Every answer is token-equal to a
 single server or fails with a named cause (past the router's limit: a 503/429 with Retry-After);
 nothing hangs; each server holds nothing once idle. (slow_peer runs in the full campaign only:
 another stack, ~25 s more here.)"""
@@ -17,7 +18,8 @@ SCRIPT = Path(__file__).parents[2] / "benchmarks" / "fault_campaign.py"
 
 def test_short_fault_campaign_no_silent_failure_nothing_held(tmp_path):
     out = tmp_path / "campaign.json"
-    argv = [sys.executable, str(SCRIPT), "--phases", "corrupt,disconnect,overload"]
+    argv = [sys.executable, str(SCRIPT), "--phases", "corrupt,disconnect,overload,stranger"]
+    argv += ["--flood-rounds", "1", "--slowloris-per-target", "30", "--stranger-requests", "5"]
     argv += ["--kill-kinds", "", "--faults-per-kind", "12", "--phase-s", "60", "--concurrency", "4"]
     argv += ["--overload-s", "4", "--overload-concurrency", "16", "--overload-limit", "2"]
     argv += ["--overload-server-args=--max-running-requests 1"]
@@ -27,7 +29,7 @@ def test_short_fault_campaign_no_silent_failure_nothing_held(tmp_path):
     result = json.loads(out.read_text())
     assert p.returncode == result["exit_code"] == 0, (result["verdict"], p.stderr[-3000:])
     assert result["skipped"] == [] and result["problems"] == []
-    corrupt, disconnect, overload = result["kinds"]
+    corrupt, disconnect, overload, stranger = result["kinds"]
     assert (corrupt["phase"], disconnect["phase"]) == ("corrupt", "disconnect")
     assert corrupt["faults"]["corrupt"] >= 12 and disconnect["faults"]["disconnect"] >= 12
     # Decode detected every damaged piece (a retried attempt counts); the router saw the cuts.
@@ -44,7 +46,14 @@ def test_short_fault_campaign_no_silent_failure_nothing_held(tmp_path):
     assert overload["admitted"] == overload["correct"] > 0, overload["admitted_not_correct"]
     assert overload["router_inflight_peak"] <= 2 and overload["router_inflight_idle"] == 0
     assert overload["restarts"] == 0, overload["launcher_events"]
-    for phase in (corrupt, disconnect, overload):
+    # Strangers (fault_strangers.py): each flood connection refused and counted by decode, no
+    # slowloris connection left open, replays and stale signatures 403 and counted.
+    assert stranger["phase"] == "stranger" and stranger["problems"] == [], stranger["problems"]
+    assert stranger["flood_counted_by_decode"] == stranger["faults"]["transfer_flood"] > 0
+    assert stranger["slowloris_held_past_deadline"] == 0
+    assert stranger["replay_status"]["replay"] == {"403": 5}, stranger["replay_status"]
+    assert stranger["correct"] == stranger["requests"] > 0, stranger
+    for phase in (corrupt, disconnect, overload, stranger):
         assert phase["silent"] == phase["hang"] == phase["failed_unnamed"] == 0, phase
         assert phase["held_when_idle"] == {}, phase
         assert phase["requests"] == phase["correct"] + phase["failed_named"] + phase["cut"]
