@@ -99,9 +99,7 @@ async def run(
         return bad
     if not body.get("stream"):
         bodies = [json.loads(r.body) for r in resps]
-        return Response(
-            json.dumps(merge_bodies(path, bodies, n)), media_type="application/json"
-        )
+        return Response(json.dumps(merge_bodies(path, bodies, n)), media_type="application/json")
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     return StreamingResponse(
         _merged_events(path, resps, n, include_usage), media_type="text/event-stream"
