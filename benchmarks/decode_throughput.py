@@ -17,10 +17,10 @@ import time
 import torch
 
 from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvrelay.engine.batch import prepare
 from kvrelay.engine.engine import Engine, generate
 from kvrelay.engine.messages import AddRequest, SamplingParams
 from kvrelay.engine.scheduler import ScheduledRequest
+from kvrelay.models.llama.step import prepare
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for a dry run of the script
 
@@ -96,7 +96,7 @@ def measure(
         fb = prepare(sched, runner.page_size, runner.device)
         for s in sched:
             s.req.num_computed += 1
-        fwd_ms = cuda_time(lambda fb=fb: runner.forward_batch(fb), steps)
+        fwd_ms = cuda_time(lambda fb=fb: runner.forward_inputs(fb), steps)
         # The whole engine step: schedule, prepare, forward, sample, bookkeeping.
         sync()
         t0 = time.perf_counter()

@@ -189,7 +189,7 @@ def main() -> None:
             print(json.dumps(res), flush=True)
     prefill = {"tokens": a.prefill, "fast_tok_s": time_prefill(engine, a.prefill, a.device)}
     # the reference path on the same weights and pools
-    engine.runner.reference, engine.runner.graphs = True, None
+    engine.runner.family.reference, engine.runner.graphs = True, None
     for b in ref_batches:
         res = time_decode(engine, b, a.contexts[0], max(2, a.steps // 5), a.device)
         res.update(path="reference", batch=b, context=a.contexts[0])

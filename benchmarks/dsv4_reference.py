@@ -58,12 +58,12 @@ def random_ids(n: int, vocab: int, seed: int) -> list[int]:
 
 
 def timed_step(engine: Engine, device: str, timer: LayerTimer | None = None) -> float:
-    engine.runner.layer_hook = timer
+    engine.runner.family.layer_hook = timer
     sync(device)
     t0 = time.perf_counter()
     engine.step()
     sync(device)
-    engine.runner.layer_hook = None
+    engine.runner.family.layer_hook = None
     return (time.perf_counter() - t0) * 1e3
 
 

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrelay.disagg.layout import CacheKind
+from kvrelay.cache.spec import CacheKind
 from kvrelay.disagg.pieces import piece_rows, scatter
 from kvrelay.layers.parallel import TPGroup
 
-INSTALL = 2  # a step header kind (STOP = 0, STEP = 1 in tp_step and dsv4_step, GATHER = 3)
+INSTALL = 2  # a step header kind (STOP = 0, STEP = 1 in tp_step, tp_gather.GATHER = 3)
 
 
 @dataclass(frozen=True)

@@ -71,8 +71,8 @@ def check_supported(cfg: EngineConfig, src: ModelSource) -> None:
     if cfg.tensor_parallel_size == 1:
         return
     if family is registry.DEEPSEEK_V4:  # refused before any follower starts
-        from kvrelay.engine.dsv4_runner import check_parallel
         from kvrelay.engine.runner import pick_device
+        from kvrelay.models.deepseek_v4.runnable import check_parallel
 
         check_parallel(cfg, pick_device(cfg.device))
     elif family is not registry.DENSE:

@@ -1,11 +1,11 @@
 """Model families by architecture name: each entry names the model class, how its config is read
-(checkpoint directory, GGUF metadata, dummy presets), the engine runner and KV cache pool it needs,
-and the chat format it speaks. Adding a model touches its folder and one entry here; the loader,
+(checkpoint directory, GGUF metadata, dummy presets), its side of the runner contract
+(models/base.py) and the cache pool it builds, and the chat format it speaks. Adding a model touches its folder and one entry here; the loader,
 the engine and the server ask the registry instead of testing names or config types.
 
-Entries name code as "module:attribute" strings, imported on use: runners (engine), weight readers
-(weights) and chat formats (server) sit above models/ in the dependency order, and naming them
-here must not import them.
+Entries name code as "module:attribute" strings, imported on use: weight readers (weights) and
+chat formats (server) sit above models/ in the dependency order, and naming them here must not
+import them.
 """
 
 from __future__ import annotations
@@ -24,8 +24,11 @@ class ModelFamily:
     model: str  # the nn.Module class
     config: str  # its frozen config dataclass
     build: str  # (ModelSource, dtype, device, seed, max_positions) -> the model with weights
-    runner: str  # engine runner class: (EngineConfig, ModelSource) -> runner
-    cache: str  # the KV cache pool class the runner holds
+    # The family's side of the runner contract (models/base.py FamilyModel): (EngineConfig,
+    # config, model, device, dtype, TPGroup) -> it; the engine's one runner drives it.
+    runnable: str
+    rank_model: str  # (EngineConfig, ModelSource, dtype, device, TPGroup) -> this rank's model
+    cache: str  # the cache pool class it builds from its cache spec
     chat_format: str  # DENSE_CHAT (the tokenizer's template, JSON tool calls) | DSV4_CHAT (DSML)
     presets: str  # dict preset name -> config, for `--load-format dummy`
     dir_config: str  # (checkpoint directory) -> config
@@ -52,7 +55,8 @@ DEEPSEEK_V4 = ModelFamily(
     model="kvrelay.models.deepseek_v4.model:DeepseekV4ForCausalLM",
     config="kvrelay.models.deepseek_v4.config:DeepseekV4Config",
     build="kvrelay.weights.loader:build_dsv4",
-    runner="kvrelay.engine.dsv4_runner:DeepseekV4Runner",
+    runnable="kvrelay.models.deepseek_v4.runnable:DeepseekV4Runnable",
+    rank_model="kvrelay.weights.rank_model:dsv4_rank_model",
     cache="kvrelay.models.deepseek_v4.cache_pool:DeepseekV4CachePool",
     chat_format=DSV4_CHAT,
     presets="kvrelay.models.deepseek_v4.config:PRESETS",
@@ -69,10 +73,11 @@ DENSE = ModelFamily(
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
     ),
-    model="kvrelay.models.llama:LlamaForCausalLM",
+    model="kvrelay.models.llama.model:LlamaForCausalLM",
     config="kvrelay.config:ModelConfig",
     build="kvrelay.weights.loader:build_dense",
-    runner="kvrelay.engine.runner:ModelRunner",
+    runnable="kvrelay.models.llama.runnable:DenseRunnable",
+    rank_model="kvrelay.weights.rank_model:dense_rank_model",
     cache="kvrelay.cache.kv_pool:KVPool",
     chat_format=DENSE_CHAT,
     presets="kvrelay.models.presets:PRESETS",

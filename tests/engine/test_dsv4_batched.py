@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvrelay.engine.dsv4_graphs import Dsv4GraphRunner, context_bucket
 from kvrelay.engine.engine import Engine, generate
 from kvrelay.engine.messages import SamplingParams
 from kvrelay.models.deepseek_v4.batch_meta import build_meta
+from kvrelay.models.deepseek_v4.graphs import Dsv4GraphRunner, context_bucket
 from kvrelay.weights.loader import resolve
 
 VOCAB = resolve("dsv4-tiny", "dummy").config.vocab_size
@@ -79,7 +79,9 @@ class EagerGraphs(Dsv4GraphRunner):
     """The graph runner's buffers, buckets and padding, with 'replay' = an eager forward on the
     static buffers (CPU has no CUDA graphs)."""
 
-    def _capture(self, bs: int, ctx: int) -> None:
+    def capture(self, bs: int, ctx: int) -> None:
+        if (bs, ctx) in self.graphs:
+            return
         self._pad(0, bs)
         self.graphs[(bs, ctx)] = None
 
@@ -91,7 +93,9 @@ def test_graph_buffers_padding_and_buckets_equal_plain_steps() -> None:
     ps = prompts([5, 30, 61, 100, 9], seed=3)
     want_t, want_lp = run(make_engine("torch"), ps, n=40)
     eng = make_engine("torch")
-    eng.runner.graphs = EagerGraphs(eng.runner, max_bs=8, max_context=eng.runner.max_model_len)
+    eng.runner.graphs = EagerGraphs(
+        eng.runner.family, max_bs=8, max_context=eng.runner.max_model_len
+    )
     got_t, got_lp = run(eng, ps, n=40)
     assert got_t == want_t
     delta = max(

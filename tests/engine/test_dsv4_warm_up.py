@@ -1,4 +1,4 @@
-"""The DeepSeek-V4 warm-up (engine/dsv4_warm_up.py) runs its steps on padding only: every
+"""The DeepSeek-V4 warm-up (models/deepseek_v4/warm_up.py) runs its steps on padding only: every
 sequence in the dummy page 0 and state slot 0. Here its steps run on the CPU torch path
 (on the GPU they compile the fused glue; tests/gpu/test_dsv4_warm_up_gpu.py checks that) between
 two halves of live requests: no page or state slot a request can hold changes, and the requests
@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 from test_dsv4_engine import make_engine, prompt
 
-from kvrelay.engine.dsv4_warm_up import padding_step, warm_up_shapes
 from kvrelay.engine.engine import generate
 from kvrelay.engine.messages import SamplingParams
 from kvrelay.engine.request import Request
+from kvrelay.models.deepseek_v4.warm_up import padding_step, warm_up_shapes
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
 
@@ -26,7 +26,7 @@ def _run_padding_steps(engine) -> None:
     r = engine.runner
     with torch.inference_mode():
         for counts in warm_up_shapes(r.page_size, 2048):
-            r._forward_step(padding_step(counts, r.page_size), None)
+            r.family.forward(padding_step(counts, r.page_size), None)
 
 
 def test_padding_steps_touch_no_live_page_or_slot():

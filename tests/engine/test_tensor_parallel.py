@@ -25,7 +25,7 @@ from kvrelay.engine.request import Request
 from kvrelay.engine.scheduler import ScheduledRequest
 from kvrelay.layers.parallel import TPGroup
 from kvrelay.models import registry
-from kvrelay.models.llama import LlamaForCausalLM
+from kvrelay.models.llama.model import LlamaForCausalLM
 from kvrelay.weights.loader import ModelSource
 
 PROMPTS = [[5, 17, 301, 42, 7], [1000, 2000, 3000], [9] * 11]

@@ -1,5 +1,5 @@
 """DeepSeek-V4's fast path compiles its fused glue before the engine reports ready
-(engine/dsv4_warm_up.py): the first live requests, of lengths and batch sizes the warm-up never
+(models/deepseek_v4/warm_up.py): the first live requests, of lengths and batch sizes the warm-up never
 ran, compile nothing (dynamo's compiled-graph counter stands still) and still equal the
 reference path."""
 

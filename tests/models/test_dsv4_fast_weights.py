@@ -81,11 +81,10 @@ def test_fused_equals_separate_and_follows_loads():
 
 def test_dsv4_fast_path_refuses_tensor_parallelism():
     """TP runs the torch path on the CPU; the Triton kernels and CUDA graphs are single-rank."""
-    from kvrelay.engine.dsv4_runner import DeepseekV4Runner
 
     cfg = EngineConfig(
         model="dsv4-tiny", load_format="dummy", device="cpu", tensor_parallel_size=2,
         attention_backend="triton",
     )  # fmt: skip
     with pytest.raises(ValueError, match="Triton kernels and CUDA graphs are single-rank"):
-        DeepseekV4Runner(cfg, resolve("dsv4-tiny", "dummy"))
+        ModelRunner(cfg, resolve("dsv4-tiny", "dummy"))

@@ -10,7 +10,7 @@ import torch
 from kvrelay.config import CacheConfig, EngineConfig
 from kvrelay.engine.engine import Engine, generate
 from kvrelay.engine.messages import SamplingParams
-from kvrelay.models.llama import LlamaForCausalLM
+from kvrelay.models.llama.model import LlamaForCausalLM
 from kvrelay.models.presets import PRESETS
 from kvrelay.models.registry import model_class
 

@@ -22,7 +22,16 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops
 
 @pytest.mark.parametrize("fam", FAMILIES, ids=lambda f: f.name)
 def test_every_entry_resolves_and_fits(fam: registry.ModelFamily) -> None:
-    fields = ("model", "config", "build", "runner", "cache", "presets", "dir_config")
+    fields = (
+        "model",
+        "config",
+        "build",
+        "runnable",
+        "rank_model",
+        "cache",
+        "presets",
+        "dir_config",
+    )
     loaded = {f: fam.load(f) for f in fields}
     assert all(callable(loaded[f]) for f in fields if f != "presets")
     assert fam.chat_format in (registry.DENSE_CHAT, registry.DSV4_CHAT)
@@ -69,8 +78,8 @@ def test_runner_model_cache_and_chat_format_come_from_the_entry(preset: str) -> 
         model=preset, load_format="dummy", device="cpu", dtype="float32",
         cache=CacheConfig(max_total_tokens=512),
     )  # fmt: skip
-    runner = make_runner(cfg, src)
-    assert isinstance(runner, fam.load("runner"))
+    runner = make_runner(cfg, src)  # one runner class for every family; the family's side:
+    assert isinstance(runner.family, fam.load("runnable"))
     assert isinstance(runner.model, fam.load("model"))
     pools = [v for v in vars(runner).values() if isinstance(v, fam.load("cache"))]
     assert len(pools) == 1  # the runner holds the cache pool its entry names

@@ -146,7 +146,7 @@ def test_moe_over_two_ranks_matches_one(mode: str, experts: str):
     ],
 )
 def test_unsupported_combinations_are_refused(changes, match):
-    from kvrelay.engine.dsv4_runner import check_parallel
+    from kvrelay.models.deepseek_v4.runnable import check_parallel
 
     cfg = EngineConfig(**{"device": "cpu", "tensor_parallel_size": 2, **changes})
     with pytest.raises(ValueError, match=match):

@@ -15,7 +15,7 @@ from gguf import GGUFWriter
 from gguf.quants import quantize
 
 from kvrelay.layers.parallel import TPGroup
-from kvrelay.models.llama import LlamaForCausalLM
+from kvrelay.models.llama.model import LlamaForCausalLM
 from kvrelay.weights import gguf_reader
 
 HIDDEN, HEADS, KV_HEADS, VOCAB = 64, 4, 2, 99

@@ -1,14 +1,16 @@
-"""Turns the scheduler's choice into the tensors one forward pass reads."""
+"""A dense model's step: the scheduler's choice as the tensors one forward pass reads, and its
+wire form for the other tensor-parallel ranks."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvrelay.engine.scheduler import ScheduledRequest
 from kvrelay.layers.attention import AttentionMetadata
+from kvrelay.models.base import Scheduled
 
 
 @dataclass
@@ -18,13 +20,50 @@ class ForwardBatch:
     attn: AttentionMetadata
     sample_rows: torch.Tensor  # [N] row in [T] of each token whose logits are needed
     is_decode: bool
+    prompt_rows: torch.Tensor | None = None  # rows scored for prompt logprobs (rank 0 only)
 
     @property
     def batch_size(self) -> int:
         return self.attn.seq_lens.shape[0]
 
+    def wire(self) -> tuple[list[int], torch.Tensor]:
+        """Header: T, B, max_pages, N sampled rows, max_q_len, is_decode; payload: token ids,
+        positions, KV slots, page table, sequence lengths, cu_seqlens, sampled rows."""
+        a = self.attn
+        b, pages = a.page_table.shape
+        t, n = self.input_ids.shape[0], self.sample_rows.shape[0]
+        header = [t, b, pages, n, a.max_q_len, int(a.is_decode)]
+        parts = (
+            self.input_ids,
+            self.positions,
+            a.slot_mapping,
+            a.page_table.reshape(-1),
+            a.seq_lens,
+            a.cu_seqlens_q,
+            self.sample_rows,
+        )
+        return header, torch.cat([p.to(torch.int64) for p in parts])
 
-def prepare(batch: list[ScheduledRequest], page_size: int, device: torch.device) -> ForwardBatch:
+
+def from_wire(header: list[int], payload: torch.Tensor) -> ForwardBatch:
+    """The batch `ForwardBatch.wire` described, on a follower."""
+    t, b, pages, n, max_q_len, is_decode = header
+    ids, pos, slots, table, seq_lens, cu, rows = payload.split([t, t, t, b * pages, b, b + 1, n])
+    i32 = torch.int32
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        page_table=table.to(i32).view(b, pages),
+        seq_lens=seq_lens.to(i32),
+        cu_seqlens_q=cu.to(i32),
+        max_q_len=max_q_len,
+        is_decode=bool(is_decode),
+    )
+    return ForwardBatch(ids, pos, meta, rows, bool(is_decode))
+
+
+def prepare(
+    batch: list[Scheduled], page_size: int, device: torch.device, prompt_rows: Sequence[int] = ()
+) -> ForwardBatch:
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
@@ -63,4 +102,5 @@ def prepare(batch: list[ScheduledRequest], page_size: int, device: torch.device)
         meta,
         to_dev(sample_rows, torch.int64),
         is_decode,
+        to_dev(list(prompt_rows), torch.int64) if prompt_rows else None,
     )

@@ -1,40 +1,14 @@
-"""Decode CUDA graphs over batch-size buckets; padded rows write to the dummy page 0."""
+"""Dense decode CUDA graphs over batch-size buckets; padded rows write to the dummy page 0."""
 
 from __future__ import annotations
 
 import torch
 
-from kvrelay.engine.batch import ForwardBatch
 from kvrelay.layers.attention import AttentionMetadata
 from kvrelay.layers.step_profile import StepProfiler
-from kvrelay.models.llama import ForwardContext
-
-BUCKETS = (
-    1,
-    2,
-    4,
-    8,
-    12,
-    16,
-    24,
-    32,
-    40,
-    48,
-    56,
-    64,
-    80,
-    96,
-    112,
-    128,
-    160,
-    192,
-    224,
-    256,
-    320,
-    384,
-    448,
-    512,
-)
+from kvrelay.models.base import BUCKETS
+from kvrelay.models.llama.model import ForwardContext
+from kvrelay.models.llama.step import ForwardBatch
 
 
 class CudaGraphRunner:
@@ -101,7 +75,7 @@ class CudaGraphRunner:
         regions = StepProfiler(self.device, in_graph=True)
         self.profiled[bs] = (*self._capture(bs, regions), regions)
 
-    def can_run(self, fb: ForwardBatch) -> bool:
+    def can_run(self, fb: ForwardBatch, profile: StepProfiler | None = None) -> bool:
         return (
             fb.is_decode
             and fb.batch_size <= self.max_bs

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from kvrelay.engine.cuda_graphs import BUCKETS
+from kvrelay.models.base import BUCKETS
 from kvrelay.models.deepseek_v4.batch_meta import BatchMeta, Closers
 from kvrelay.models.deepseek_v4.batched import forward_batched
+from kvrelay.models.deepseek_v4.step import Dsv4Step
 
 MIN_CONTEXT = 512
 
@@ -28,6 +29,7 @@ def context_bucket(tokens: int, page_size: int) -> int:
 
 class Dsv4GraphRunner:
     def __init__(self, runner, max_bs: int, max_context: int) -> None:
+        # runner: the family's side of the runner contract (runnable.DeepseekV4Runnable)
         self.runner = runner
         self.buckets = [b for b in BUCKETS if b <= max_bs]
         self.max_bs = self.buckets[-1]
@@ -47,8 +49,23 @@ class Dsv4GraphRunner:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
 
-    def can_run(self, context: int, batch_size: int) -> bool:
+    def fits(self, context: int, batch_size: int) -> bool:
         return batch_size <= self.max_bs and context <= self.max_context
+
+    def can_run(self, step: Dsv4Step, profile) -> bool:
+        """A decode step (one sampled token per request) that a captured graph covers; profiled
+        steps run eagerly so their components can be timed."""
+        return (
+            profile is None
+            and not step.all_rows
+            and all(c == 1 for c in step.counts)
+            and step.n_sampled == len(step.counts) == len(step.rows)
+            and self.fits(max(step.starts) + 1, len(step.counts))
+        )
+
+    def run(self, step: Dsv4Step, profile=None) -> torch.Tensor:
+        """Float32 logits of the step's decode tokens, from the graph of its buckets."""
+        return self.run_lists(step.ids, step.starts, step.pages, step.slots).float()
 
     def _meta(self, bs: int, ctx: int) -> BatchMeta:
         ps = self.runner.page_size
@@ -102,7 +119,7 @@ class Dsv4GraphRunner:
         self.pool = graph.pool()
         self.graphs[(bs, ctx)] = (graph, out)
 
-    def run(
+    def run_lists(
         self,
         input_ids: list[int],
         starts: list[int],

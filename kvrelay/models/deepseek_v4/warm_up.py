@@ -18,7 +18,7 @@ import time
 import torch
 
 from kvrelay.cache.paging import pages_for
-from kvrelay.engine.dsv4_step import Dsv4Step
+from kvrelay.models.deepseek_v4.step import Dsv4Step
 
 log = logging.getLogger("kvrelay.runner")
 
@@ -45,16 +45,16 @@ def padding_step(counts: list[int], page_size: int) -> Dsv4Step:
 
 
 @torch.inference_mode()
-def warm_up(runner) -> None:
-    """Run the padding steps and capture the smallest decode graphs (the fast path on a GPU)."""
-    if runner.device.type != "cuda" or runner.kernels is None or runner.tp.is_parallel:
+def warm_up(model, graphs) -> None:
+    """Run the padding steps and capture the smallest decode graphs (the fast path on a GPU).
+    `model`: the family's side of the runner contract (runnable.DeepseekV4Runnable)."""
+    if model.device.type != "cuda" or model.kernels is None or model.tp.is_parallel:
         return
     t0 = time.monotonic()
-    max_tokens = runner.cfg.scheduler.max_num_batched_tokens
-    shapes = warm_up_shapes(runner.page_size, max_tokens)
+    max_tokens = model.cfg.scheduler.max_num_batched_tokens
+    shapes = warm_up_shapes(model.page_size, max_tokens)
     for counts in shapes:
-        runner._forward_step(padding_step(counts, runner.page_size), None)
-    graphs = runner.graphs
+        model.forward(padding_step(counts, model.page_size), None)
     if graphs is not None:
         for bs in graphs.buckets[:2]:
             graphs.capture(bs, graphs.min_context)

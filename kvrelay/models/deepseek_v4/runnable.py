@@ -1,0 +1,202 @@
+"""DeepSeek-V4's side of the runner contract (models/base.py): its paged cache pools and state
+slots, the batched forward (torch ops, or Triton kernels on the GPU) or, with
+`--attention-backend reference`, the per-sequence oracle path, and the decode graphs."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvrelay.cache.spec import CacheSpec
+from kvrelay.config import EngineConfig
+from kvrelay.layers.parallel import TPGroup
+from kvrelay.models.base import Scheduled
+from kvrelay.models.deepseek_v4.batch_meta import build_meta
+from kvrelay.models.deepseek_v4.batched import forward_batched
+from kvrelay.models.deepseek_v4.cache_pool import DeepseekV4CachePool
+from kvrelay.models.deepseek_v4.cache_spec import dsv4_cache_spec, dsv4_page_size
+from kvrelay.models.deepseek_v4.config import CSA, HCA, DeepseekV4Config
+from kvrelay.models.deepseek_v4.fp8_linears import use_fp8_linears
+from kvrelay.models.deepseek_v4.fused_projections import fuse_projections
+from kvrelay.models.deepseek_v4.layer import LayerKernels
+from kvrelay.models.deepseek_v4.norms import use_norm_kernel
+from kvrelay.models.deepseek_v4.paged import PagedSequence, forward_paged
+from kvrelay.models.deepseek_v4.pooled_attention import AttentionOps
+from kvrelay.models.deepseek_v4.step import Dsv4Step, from_wire, plan_step
+
+log = logging.getLogger("kvrelay.runner")
+
+
+class DeepseekV4Runnable:
+    def __init__(
+        self, cfg: EngineConfig, model_cfg: DeepseekV4Config, model, device: torch.device,
+        dtype: torch.dtype, tp: TPGroup,
+    ) -> None:  # fmt: skip
+        self.cfg, self.model_cfg, self.model = cfg, model_cfg, model
+        self.device, self.dtype, self.tp = device, dtype, tp
+        c = model_cfg
+        self.page_size = dsv4_page_size(c, cfg.cache.page_size)
+        # Admission keeps running requests <= max_running_requests, so a slot is always free.
+        self.num_state_slots = cfg.scheduler.max_running_requests + 1  # slot 0 is never handed out
+        self.layer_hook = None  # benchmarks of the reference path: called before each layer
+        self.reference = cfg.attention_backend == "reference"
+        self.ratios = tuple(
+            sorted({c.compress_ratio(i) for i, t in enumerate(c.layer_types) if t in (CSA, HCA)})
+        )
+        self.ops: AttentionOps | None = None
+        self.kernels: LayerKernels | None = None
+        self.pool: DeepseekV4CachePool | None = None
+
+    @staticmethod
+    def check(cfg: EngineConfig, model_cfg: DeepseekV4Config, device: torch.device) -> None:
+        check_parallel(cfg, device)
+
+    def cache_spec(self) -> CacheSpec:
+        return dsv4_cache_spec(
+            self.model_cfg, self.page_size, self.dtype, self.cfg.cache.index_k_dtype
+        )
+
+    def reserve_bytes(self) -> int:
+        c = self.model_cfg
+        return self.cfg.scheduler.max_num_batched_tokens * (
+            c.hidden_size * c.hc_mult * 16 + c.vocab_size * 4
+        )
+
+    def build_pool(self, num_pages: int) -> DeepseekV4CachePool:
+        # The pools are the same on every rank (one shared KV head): the same page ids everywhere.
+        self.pool = DeepseekV4CachePool(
+            self.model_cfg, num_pages, self.page_size, self.num_state_slots, self.dtype,
+            self.device, self.cfg.cache.index_k_dtype,
+        )  # fmt: skip
+        return self.pool
+
+    @property
+    def cache(self) -> DeepseekV4CachePool:
+        return self.pool
+
+    def prepare_kernels(self) -> None:
+        """FP8 linears, then the attention ops and (Triton) fused norms and projections."""
+        cfg = self.cfg
+        if cfg.linear_weights == "fp8":
+            n = use_fp8_linears(self.model)
+            log.info("%d attention / shared-expert linears hold FP8 block-scaled weights", n)
+        self.ops, self.kernels = _pick_ops(cfg.attention_backend, self.device, cfg.deterministic)
+        if self.kernels is not None:  # the Triton path: fused norms and projections as well
+            from kvrelay.kernels.triton_pointwise import rms_norm_wide
+
+            use_norm_kernel(self.model, rms_norm_wide)
+            fuse_projections(self.model)
+
+    def prepare(self, batch: list[Scheduled], all_rows: bool, prompt_rows: list[int]) -> Dsv4Step:
+        # Prompt-logprob rows ride along: the forward returns their hidden states too.
+        return plan_step(batch, all_rows, prompt_rows)
+
+    def from_wire(self, header: list[int], payload: torch.Tensor) -> Dsv4Step:
+        return from_wire(header, payload)
+
+    def forward(self, step: Dsv4Step, profile) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(float32 logits of the sampled rows, final hidden states of the prompt rows)."""
+        input_ids = torch.tensor(step.ids, dtype=torch.long).to(self.device, non_blocking=True)
+        rows_t = torch.tensor(step.rows, dtype=torch.long).to(self.device, non_blocking=True)
+        if self.reference:
+            hidden = self._hidden_reference(step, input_ids, rows_t, profile)
+        else:
+            meta = build_meta(
+                step.starts, step.counts, step.pages, step.slots, self.ratios, self.page_size,
+                self.device,
+            )  # fmt: skip
+            hidden = forward_batched(
+                self.model, input_ids, meta, self.pool, rows_t, self.ops, self.kernels, profile,
+                head=False,
+            )  # fmt: skip
+        logits = self.model.compute_logits(hidden[: step.n_sampled]).float()
+        return logits, hidden[step.n_sampled :]
+
+    def make_graphs(self, max_batch: int, max_model_len: int):
+        """Decode graphs per (batch, context) bucket, captured on first use (Triton path only)."""
+        if self.kernels is None:
+            return None
+        from kvrelay.models.deepseek_v4.graphs import Dsv4GraphRunner
+
+        return Dsv4GraphRunner(self, max_batch, max_model_len)
+
+    def before_step(self, batch: list[Scheduled]) -> None:
+        """A request's first step after a prefix cache hit: its state slot never saw the shared
+        tokens, so it takes the compressor state kept with the last shared page."""
+        p = self.page_size
+        for s in batch:
+            r = s.req
+            if r.matched_tokens and r.num_computed == r.matched_tokens:
+                self.pool.restore_slot(r.state_slot, r.pages[r.matched_tokens // p - 1])
+
+    def warm_up(self, graphs) -> None:
+        from kvrelay.models.deepseek_v4.warm_up import warm_up
+
+        warm_up(
+            self, graphs
+        )  # compiled before ready: a first burst must not wait for torch.compile
+
+    def describe(self) -> str:
+        c = self.cfg
+        return (
+            f"model=deepseek_v4 slots={self.num_state_slots - 1} index_k={c.cache.index_k_dtype} "
+            f"expert_parallel={c.expert_parallel} ep_dispatch={c.ep_dispatch}"
+        )
+
+    def _hidden_reference(self, step: Dsv4Step, input_ids, rows_t, profile) -> torch.Tensor:
+        """The oracle path (per-sequence attention): final hidden states of the rows `rows_t`."""
+        seqs: list[PagedSequence] = []
+        first = 0
+        for start, count, pages, slot in zip(
+            step.starts, step.counts, step.pages, step.slots, strict=True
+        ):
+            table = torch.tensor(pages, dtype=torch.long, device=self.device)
+            seqs.append(PagedSequence(slice(first, first + count), start, table, slot))
+            first += count
+        return forward_paged(
+            self.model, input_ids, seqs, self.pool, rows_t, self.layer_hook, profile, head=False
+        )
+
+
+def check_parallel(cfg: EngineConfig, device: torch.device) -> None:
+    """DeepSeek-V4 TP/EP runs the torch path on the CPU (gloo) only, so far: refuse the rest."""
+    if cfg.expert_parallel and cfg.tensor_parallel_size < 2:
+        raise ValueError("--expert-parallel needs --tensor-parallel-size 2 or more")
+    if cfg.ep_dispatch != "all-reduce" and not cfg.expert_parallel:
+        raise ValueError(f"--ep-dispatch {cfg.ep_dispatch} needs --expert-parallel")
+    if cfg.tensor_parallel_size == 1:
+        return
+    if device.type != "cpu" or cfg.attention_backend == "triton":
+        raise ValueError(
+            "DeepSeek-V4 tensor/expert parallel runs on the CPU (torch or reference attention "
+            "backend) only, so far: the Triton kernels and CUDA graphs are single-rank"
+        )
+    if cfg.linear_weights != "auto":
+        raise ValueError(f"--linear-weights {cfg.linear_weights} is not supported with TP yet")
+    # Every rank holds the whole cache (one shared KV head): rank 0 alone sends a prefill's cache,
+    # and a decode server's rank 0 hands each received piece to every rank (tp_install.py).
+
+
+def _pick_ops(
+    backend: str, device: torch.device, deterministic: bool = False
+) -> tuple[AttentionOps, LayerKernels | None]:
+    """Torch references (CPU, `torch`), the Triton kernels (`triton`; auto on the GPU), or the
+    batch-invariant torch ops (`deterministic`)."""
+    from kvrelay.kernels.indexer_reference import indexer_topk_reference
+    from kvrelay.models.deepseek_v4.sparse_attention import sparse_mqa_reference
+
+    if deterministic:
+        from kvrelay.layers import batch_invariant_attention as bi
+
+        return AttentionOps(bi.sparse_mqa, bi.indexer_topk), None
+    if backend == "triton" or (backend == "auto" and device.type == "cuda"):
+        from kvrelay.kernels.triton_compressor import pool_windows
+        from kvrelay.kernels.triton_indexer import indexer_topk
+        from kvrelay.kernels.triton_mhc import hc_gates
+        from kvrelay.kernels.triton_moe import fused_experts
+        from kvrelay.kernels.triton_sparse_attention import sparse_mqa
+
+        ops = AttentionOps(sparse_mqa, indexer_topk, pool_windows)
+        return ops, LayerKernels(fused_experts, hc_gates)
+    return AttentionOps(sparse_mqa_reference, indexer_topk_reference), None
