@@ -10,6 +10,9 @@ same host can throw at a serving PD stack, while the usual load runs and is judg
   replay           a signed PD body (signed with the stack's secret, as one captured from the
                    router would be) sent once, then again: every replay 403, counted by the server
   stale            a body signed well outside the time window: 403, counted
+  hostile_schema   the audit's schemas that gave 5xx (an integer minimum of 10**400, a required
+                   self-reference, format + pattern, a 50k-alternative grammar) through the
+                   router: 400 each
 Counts of each, what the servers counted, and a problem for any attack that was not refused.
 """
 
@@ -140,6 +143,30 @@ def replays(prefill_url: str, model: str, secret: str, n: int) -> dict:
     return {k: dict(v) for k, v in status.items()}
 
 
+def hostile_schemas(router_url: str, model: str) -> Counter:
+    """The audit's schemas that gave 5xx through the router: status of each answer."""
+    msg = [{"role": "user", "content": "hi"}]
+
+    def chat(schema: dict) -> dict:
+        rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        return {"model": model, "messages": msg, "max_tokens": 4, "response_format": rf}
+
+    self_required = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    ebnf = "root ::= " + " | ".join(f'"w{i}"' for i in range(50_000))
+    bodies = [
+        ("/v1/chat/completions", chat({"type": "integer", "minimum": 10**400})),
+        ("/v1/chat/completions", chat(self_required)),
+        ("/v1/chat/completions", chat({"type": "string", "format": "date", "pattern": "^2"})),
+        ("/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 4, "guided_grammar": ebnf}),
+        ("/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 4, "guided_json": self_required}),
+    ]  # fmt: skip
+    seen: Counter = Counter()
+    with httpx.Client(timeout=30) as http:
+        for path, body in bodies:
+            seen[str(http.post(router_url + path, json=body).status_code)] += 1
+    return seen
+
+
 def stranger_attacks(
     urls: dict[str, str], model: str, secret: str, a
 ) -> tuple[Counter, dict, list]:
@@ -158,6 +185,7 @@ def stranger_attacks(
     loris_opened, loris_held = slowloris(list(urls.values()), a.slowloris_per_target)
     ambiguous = ambiguous_length(urls["router"], a.stranger_requests)
     replayed = replays(urls["prefill"], model, secret, a.stranger_requests)
+    schemas = hostile_schemas(urls["router"], model)
     flooder.join()
     time.sleep(1.0)  # the last round's deadline passes; idle stats reach /metrics (0.25 s)
     after = {n: bootstrap_events(u) for n, u in urls.items() if n != "router"}
@@ -170,12 +198,14 @@ def stranger_attacks(
         ambiguous_length=n,
         replay=n,
         stale=n,
+        hostile_schema=sum(schemas.values()),
     )
     details = {
         "flood_counted_by_decode": refused_flood,
         "slowloris_held_past_deadline": loris_held,
         "ambiguous_answers": dict(ambiguous),
         "replay_status": replayed,
+        "hostile_schema_status": dict(schemas),
         "server_events": counted,
     }
     problems = []
@@ -189,6 +219,8 @@ def stranger_attacks(
         problems.append(f"ambiguous bodies answered {dict(ambiguous)}, not 400 each")
     if replayed["replay"] != {"403": n} or replayed["stale"] != {"403": n}:
         problems.append(f"replays/stale answered {replayed}, not 403 each")
+    if set(schemas) != {"400"}:
+        problems.append(f"hostile schemas through the router answered {dict(schemas)}, not 400")
     if "403" in replayed["first"]:
         problems.append("the first use of a fresh signed body was refused")
     pe = counted.get("prefill", {})
