@@ -60,7 +60,10 @@ def test_client_disconnect_non_streaming_frees_everything(server):
     assert "exception was never retrieved" not in server.log()
 
 
-def test_dead_engine_gives_503_and_failed_health():
+def test_dead_engine_gives_503_and_failed_health(monkeypatch):
+    # KVRELAY_ENGINE_DEATH_EXIT_S=0: the server stays up answering 503 (by default it exits 3
+    # two seconds after the death: tests/ops/test_engine_death.py).
+    monkeypatch.setenv("KVRELAY_ENGINE_DEATH_EXIT_S", "0")
     s = ServerProcess("--model", "smollm2", "--max-total-tokens", "8192")
     try:
         result = {}
