@@ -79,6 +79,7 @@ class TransferAgent:
         # event -> count since start. Counted on transport and heartbeat threads too, hence the lock.
         self.bootstrap_counts: dict[str, int] = {}
         self._bootstrap_lock = threading.Lock()
+        self._stranger_lines: dict[str, tuple[float, int]] = {}  # log line -> (last, unlogged)
         self._connected: set[Connection] = set()  # peers whose hello we accepted (-> peer_lost)
         self._timings: list[tuple[str, str, float]] = []  # finished transfers, not yet shipped
         # Liveness runs on its own thread: a peer whose process is alive but whose engine is busy in a
@@ -152,12 +153,18 @@ class TransferAgent:
         try:
             msg = P.decode(header)
         except msgspec.DecodeError as e:  # ValidationError too: a field beyond its limits
-            log.warning("frame refused peer=%s cause=bad_message message=%s", conn.peer, e)
+            if conn in self._authed:
+                log.warning("frame refused peer=%s cause=bad_message message=%s", conn.peer, e)
+            else:
+                self._count_event("stranger_bad_message")
+                self._stranger_warn(
+                    "frame refused peer=%s cause=bad_message message=%s", conn.peer, e
+                )
             self._on_bad_message(conn, str(e))
             raise ConnectionError(f"undecodable frame header: {e}") from e
         if conn not in self._authed:
             if not isinstance(msg, P.Hello | P.Auth | P.Failure):  # heartbeats too
-                log.warning(
+                self._stranger_warn(
                     "transfer peer refused peer=%s cause=%s message=%s before the handshake",
                     conn.peer,
                     P.Cause.UNAUTHENTICATED,
@@ -181,6 +188,19 @@ class TransferAgent:
 
     def _on_close(self, conn: Connection, reason: str) -> None:
         self.events.put(Event(conn, None, reason=reason))
+
+    def _stranger_warn(self, fmt: str, *args) -> None:
+        """A line about a peer that has not authenticated: one per message kind per second at
+        most (a flood of strangers must not flood the log); the next says how many were left
+        out. Every one is counted all the same (bootstrap events)."""
+        now = time.monotonic()
+        with self._bootstrap_lock:
+            last, quiet = self._stranger_lines.get(fmt, (0.0, 0))
+            if now - last < 1.0:
+                self._stranger_lines[fmt] = (last, quiet + 1)
+                return
+            self._stranger_lines[fmt] = (now, 0)
+        log.warning(fmt + " unlogged_since_last=%d", *args, quiet)
 
     def _on_handshake(self, conn: Connection, msg: P.Hello | P.Auth | P.Failure) -> None:
         """A handshake message from a peer not yet authenticated (on its transport thread)."""
@@ -213,7 +233,8 @@ class TransferAgent:
     def _count_event(self, event: str) -> None:
         """A bootstrap event: peer_connected, peer_restarted, peer_lost, peer_silent,
         layout_mismatch, handshake_timeout, connect_failed, ipc_open_failed,
-        peer_unauthenticated, protocol_mismatch (and the listener's: `listener_counts`)."""
+        peer_unauthenticated, protocol_mismatch, stranger_bad_message (an undecodable frame before
+        the handshake; and the listener's own: `listener_counts`)."""
         with self._bootstrap_lock:
             self.bootstrap_counts[event] = self.bootstrap_counts.get(event, 0) + 1
 

@@ -176,7 +176,9 @@ class DecodeReceiver(TransferAgent):
 
     def _refuse(self, conn: Connection, cause: str, event: str, message: str) -> None:
         """Tell a peer why it is refused, log it, count it, hang up."""
-        log.warning("transfer peer refused peer=%s cause=%s message=%s", conn.peer, cause, message)
+        self._stranger_warn(  # one line per cause and second: the format names the cause
+            f"transfer peer refused peer=%s cause={cause} message=%s", conn.peer, message
+        )
         self._count_event(event)
         self._handshakes.pop(conn, None)
         try:

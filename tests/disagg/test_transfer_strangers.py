@@ -9,6 +9,7 @@ Bounds here: the gate's cap and deadline are lowered on the live listener (16 wa
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -125,6 +126,23 @@ def test_nothing_but_the_challenge_before_authentication():
         peer.send(P.Heartbeat("fake-prefill", time.time()))
         assert peer.hung_up()
         assert d.agent.take_stats()[1].get("peer_unauthenticated") == 1
+
+
+def test_undecodable_hellos_are_counted_each_and_logged_sparingly(caplog):
+    """100 strangers each sending one well-framed but undecodable header: each closed and
+    counted (stranger_bad_message), and decode's log gets a line per second, not one each."""
+    caplog.set_level(logging.WARNING, "kvrelay.disagg")
+    with pairs() as make:
+        d = make(engine("prefill"), engine("decode")).d
+        t0 = time.monotonic()
+        for _ in range(100):
+            peer = FakePeer.connect(d.agent.addr)
+            peer.send(b"\xc1 not msgpack")
+            assert peer.hung_up()
+        took = time.monotonic() - t0
+        assert d.agent.take_stats()[1].get("stranger_bad_message") == 100
+        lines = [r for r in caplog.records if "cause=bad_message" in r.getMessage()]
+        assert 1 <= len(lines) <= took + 2, (len(lines), took)
 
 
 def test_a_layout_difference_is_named_only_to_a_peer_that_proved_itself():
