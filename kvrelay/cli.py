@@ -19,6 +19,7 @@ from kvrelay.config import (
     env,
     env_help,
 )
+from kvrelay.disagg.router_policy import POLICIES
 from kvrelay.models import registry
 from kvrelay.ops.cli import add_up_parser
 from kvrelay.ops.open_files import raise_open_files_limit
@@ -453,6 +454,7 @@ def cmd_router(a: argparse.Namespace) -> int:
         connect_timeout_s=a.connect_timeout,
         max_body_bytes=a.max_body_bytes,
         max_concurrent_requests=a.max_concurrent_requests,
+        policy=a.policy,
         api_key=api_key(a),
         pd_secret=pd_secret(a),
     )
@@ -554,6 +556,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=rc.max_concurrent_requests,
         help="requests in flight at most (streams until they end); past it a 503 with "
         "Retry-After, counted as outcome=overloaded",
+    )
+    r.add_argument(
+        "--policy",
+        default=rc.policy,
+        choices=list(POLICIES),
+        help="which prefill and decode server a request goes to: cache_aware (where the "
+        "longest prefix of its prompt was sent before, unless that tilts the load), "
+        "round_robin, least_load (fewest requests in flight)",
     )
     add_http_args(r, rc.max_body_bytes, " (the router sends it to the servers too)")
     add_pd_secret_args(r)

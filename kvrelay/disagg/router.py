@@ -38,6 +38,7 @@ from kvrelay.disagg import router_fanout, router_metrics, router_prompt_logprobs
 from kvrelay.disagg.handshake import PD_AUTH_HEADER, request_token
 from kvrelay.disagg.protocol import pd_status
 from kvrelay.disagg.router_lanes import ClientLanes
+from kvrelay.disagg.router_policy import RoutingPolicy, block_hashes, prompt_text
 from kvrelay.disagg.router_probe import ServerProbe
 from kvrelay.server import prompt_logprobs
 from kvrelay.server.errors import install_error_handlers
@@ -112,7 +113,7 @@ class Router:
         self.client = self.lanes.clients[0]  # GETs: pair info, models
         self.probe = ServerProbe(cfg.prefill, cfg.decode, cfg.probe_interval_s, headers)
         self.info: dict[str, PeerInfo] = {}
-        self._next = 0
+        self.policy = RoutingPolicy(cfg.policy)
         self.inflight = 0  # requests admitted and not yet answered (a stream: until it ends)
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
@@ -132,15 +133,35 @@ class Router:
         Gauge(
             "kvrelay_router_inflight_requests", "requests admitted and not yet answered", registry=r
         ).set_function(lambda: self.inflight)
+        self.prompt_blocks = Counter(
+            "kvrelay_router_prompt_blocks",
+            "prompt blocks (64 characters) of the requests routed, by side",
+            ["role"],
+            registry=r,
+        )
+        self.matched_blocks = Counter(
+            "kvrelay_router_matched_blocks",
+            "of those, blocks the chosen server was believed to hold (sent there before)",
+            ["role"],
+            registry=r,
+        )
 
-    def pick(self) -> tuple[str, str]:
-        """Round robin over the servers of each role that were ready at the last probe (all of
-        them when none was: the attempt then fails with the cause)."""
-        i = self._next
-        self._next += 1
-        p = self.probe.ready_urls("prefill") or self.cfg.prefill
-        d = self.probe.ready_urls("decode") or self.cfg.decode
-        return p[i % len(p)], d[i % len(d)]
+    def pick(
+        self, hashes: list[int] | None = None, avoid: set[str] = frozenset()
+    ) -> tuple[str, str]:
+        """A prefill and a decode server by the routing policy, among those ready at the last
+        probe (all of them when none was: the attempt then fails with the cause) and not in
+        `avoid` (servers an earlier attempt of this request failed on) while others remain."""
+        hashes = hashes or []
+        pair = []
+        for role, every in (("prefill", self.cfg.prefill), ("decode", self.cfg.decode)):
+            ready = self.probe.ready_urls(role) or list(every)
+            fresh = [u for u in ready if u not in avoid] or ready
+            url, matched = self.policy.choose(role, fresh, hashes)
+            self.prompt_blocks.labels(role=role).inc(len(hashes))
+            self.matched_blocks.labels(role=role).inc(matched)
+            pair.append(url)
+        return pair[0], pair[1]
 
     def release(self, lane: int) -> None:
         self.inflight -= 1
@@ -239,11 +260,13 @@ class Router:
     async def _route(self, path: str, body: dict, request: Request | None, lane: int) -> Response:
         stream = bool(body.get("stream"))
         last: RouteError | None = None
+        hashes = block_hashes(prompt_text(body)) if self.policy.name == "cache_aware" else []
+        failed: set[str] = set()
         for attempt in range(max(self.cfg.max_attempts, 1)):
             if attempt:
                 self.retries.inc()
             try:
-                resp = await self._attempt(path, body, stream, lane)
+                resp = await self._attempt(path, body, stream, lane, hashes, failed)
                 if not isinstance(resp, StreamingResponse):  # a stream's Relay counts its own
                     gone = request is not None and await request.is_disconnected()
                     self.requests.labels(outcome="client_disconnected" if gone else "ok").inc()
@@ -264,15 +287,27 @@ class Router:
         self.requests.labels(outcome="error").inc()
         return last.response()
 
-    async def _attempt(self, path: str, body: dict, stream: bool, lane: int) -> Response:
-        p_url, d_url = self.pick()
+    async def _attempt(
+        self, path: str, body: dict, stream: bool, lane: int, hashes: list[int], failed: set[str]
+    ) -> Response:
+        p_url, d_url = self.pick(hashes, failed)
+        pair = (p_url, d_url)
+        self.policy.begin(pair, hashes)  # ended here, or by the stream's Relay when it settles
         try:
-            return await self._attempt_pair(path, body, stream, p_url, d_url, lane)
+            resp = await self._attempt_pair(path, body, stream, p_url, d_url, lane)
         except RouteError:
+            self.policy.end(pair)
+            failed.update(pair)
             # Either server may have restarted (new instance id and transfer address): ask again.
             self.info.pop(p_url, None)
             self.info.pop(d_url, None)
             raise
+        except BaseException:
+            self.policy.end(pair)
+            raise
+        if not isinstance(resp, StreamingResponse):  # a stream's Relay ends it when it settles
+            self.policy.end(pair)
+        return resp
 
     async def _attempt_pair(
         self, path: str, body: dict, stream: bool, p_url: str, d_url: str, lane: int
@@ -346,7 +381,7 @@ class Router:
             raise
         if not scores:
             asyncio.create_task(self._drain(ptask, rid))
-        relay = Relay(self, first, lines, dresp, rid, lane, patch)
+        relay = Relay(self, first, lines, dresp, rid, lane, patch, (p_url, d_url))
         # The background task runs even when the client left before the stream started, when the
         # generator's own cleanup never runs: it closes decode's response, which aborts the request.
         return StreamingResponse(
@@ -443,9 +478,10 @@ class Relay:
         rid: str,
         lane: int,
         patch=None,
+        pair: tuple[str, str] = (),
     ) -> None:
         self.router, self.first, self.lines, self.dresp, self.rid = router, first, lines, dresp, rid
-        self.lane = lane
+        self.lane, self.pair = lane, pair  # the pair's load counts until the stream settles
         self.patch = patch  # puts prefill's prompt scores into decode's events (None: none)
         self.ended = False  # decode's stream reached its end (or broke): the client saw it all
         self.broken = False  # decode's stream broke (the client got an error event)
@@ -501,6 +537,7 @@ class Relay:
         outcome = "error" if self.broken else "ok" if self.ended else "client_disconnected"
         self.router.requests.labels(outcome=outcome).inc()
         self.router.release(self.lane)
+        self.router.policy.end(self.pair)
 
 
 def create_router_app(cfg: RouterConfig, on_ready=None) -> FastAPI:
