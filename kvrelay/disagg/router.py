@@ -24,7 +24,7 @@ import json
 import logging
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from urllib.parse import quote
 
 import httpx
@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.background import BackgroundTask
 
-from kvrelay.config import RouterConfig
+from kvrelay.config import RouterConfig, redacted
 from kvrelay.disagg import router_fanout, router_metrics, router_prompt_logprobs
 from kvrelay.disagg.handshake import PD_AUTH_HEADER, request_token
 from kvrelay.disagg.protocol import pd_status
@@ -622,6 +622,27 @@ def create_router_app(cfg: RouterConfig, on_ready=None) -> FastAPI:
     @app.get("/version")
     async def version():
         return await from_decode("/version")
+
+    @app.get("/server_info")
+    async def server_info():
+        """The router's configuration (secrets redacted) and each server's own /server_info
+        (or why it could not be had): what `kvrelay repro --deterministic-check` and the ledger
+        read through a router."""
+
+        async def one(url: str):
+            try:
+                r = await router.client.get(url + "/server_info", timeout=cfg.connect_timeout_s)
+                return r.json() if r.status_code == 200 else {"error": f"HTTP {r.status_code}"}
+            except (httpx.HTTPError, ValueError) as e:
+                return {"error": f"{type(e).__name__}: {e}"}
+
+        urls = [*cfg.prefill, *cfg.decode]
+        infos = await asyncio.gather(*(one(u) for u in urls))
+        return {
+            "role": "router",
+            "config": redacted(asdict(cfg)),
+            "servers": dict(zip(urls, infos, strict=True)),
+        }
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

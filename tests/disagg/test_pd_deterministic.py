@@ -47,3 +47,35 @@ def test_pd_at_concurrency_4_equals_single_alone_bitwise(pd, shared_servers) -> 
     for i, (want, got) in enumerate(zip(alone, through_pd, strict=True)):
         assert got == want, f"prompt {i}: PD {got} vs single alone {want}"
     pd.wait_idle()
+
+
+def test_repro_deterministic_check_through_the_router(pd, tmp_path) -> None:
+    """`kvrelay repro --deterministic-check` reads each server's mode through the router's
+    /server_info and replays with no near-tie allowance: 0 divergent turns."""
+    import argparse
+    import json
+
+    import httpx
+
+    from kvrelay.bench.repro import add_repro_parser
+
+    def repro(*args: str) -> int:
+        p = argparse.ArgumentParser(prog="kvrelay")
+        add_repro_parser(p.add_subparsers(dest="command", required=True))
+        a = p.parse_args(["repro", *args])
+        return a.func(a)
+
+    info = httpx.get(pd.router.url + "/server_info", timeout=30).json()
+    assert info["role"] == "router" and set(info["servers"]) == {pd.prefill.url, pd.decode.url}
+    assert info["config"]["pd_secret"] == "<set>"  # redacted
+    out = tmp_path / "repro.json"
+    rc = repro(
+        f"--base-url={pd.router.url}", "--deterministic-check", "--concurrency", "2",
+        *"--num-sessions 2 --turns 1 --max-tokens 3 --task-words 0 --system-prompt=Agent.".split(),
+        *"--no-tools-field --ledger off --output-json".split(), str(out),
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert rc == 0, result["examples"]
+    assert result["deterministic_servers"] == sorted([pd.prefill.url, pd.decode.url])
+    (level,) = result["levels"]
+    assert level["compared"] == 2 and level["divergent_turns"] == 0
