@@ -27,6 +27,12 @@ MAX_GRAMMAR_BYTES = 64 << 10  # EBNF / Lark text
 # alternatives of rules reachable at one position add up in one row.
 MAX_ALTERNATIVES = 1000
 MAX_CHOICES = 1000  # guided_choice strings
+# Bounded repetition ({n}, {n,m}): llguidance's lexer builds its expressions lazily, and nested
+# ranges multiply (((a{1,30}){1,30}){1,30}, 27k: "too many expressions constructed" on the
+# engine's 6th token; (a{1,300}){1,300} on its 20th). A bound, and the product of the bounds of
+# repetitions nested in one another, stay within these (product 1000 ran 40 tokens, measured).
+MAX_REPEAT = 10_000
+MAX_NESTED_REPEAT = 1000
 
 
 def check_schema(schema: Any, param: str) -> None:
@@ -70,6 +76,8 @@ def _walk(schema: Any, param: str) -> None:
         if depth >= MAX_SCHEMA_DEPTH:
             raise bad_request(f"{where}: nested deeper than {MAX_SCHEMA_DEPTH} levels", where)
         if isinstance(value, dict):
+            if isinstance(value.get("pattern"), str):
+                check_regex(value["pattern"], f"{where}.pattern")
             if "format" in value and "pattern" in value:
                 raise bad_request(
                     f"{where}: `format` and `pattern` together are not supported", where
@@ -149,6 +157,75 @@ def _required_cycle(root: Any) -> str | None:
 def check_regex(regex: str, param: str) -> None:
     if len(regex.encode()) > MAX_REGEX_BYTES:
         raise bad_request(f"{param}: a regex over {MAX_REGEX_BYTES} bytes", param)
+    _check_repetition(regex, param, literals=False)
+
+
+def _check_repetition(text: str, param: str, literals: bool) -> None:
+    single, nested = repetition_bounds(text, literals)
+    if single > MAX_REPEAT:
+        raise bad_request(f"{param}: a repetition of {single} (limit {MAX_REPEAT})", param)
+    if nested > MAX_NESTED_REPEAT:
+        raise bad_request(
+            f"{param}: nested repetitions multiply to {nested} (limit {MAX_NESTED_REPEAT})",
+            param,
+        )
+
+
+def repetition_bounds(text: str, literals: bool = False) -> tuple[int, int]:
+    """(the largest {n,m} bound, the largest product of bounds nested in one another) of a regex
+    (or, `literals`, a grammar whose quoted strings are skipped). A parse that only follows
+    groups, classes, escapes and quantifiers: enough to bound what the lexer may build."""
+    stack: list[list[int]] = [[1, 1]]  # per open group: [largest product inside, last atom's]
+    single = nested = 1
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        top = stack[-1]
+        if c == "\\":
+            i += 2
+            if text[i - 1 : i] == "x" and text[i : i + 1] == "{":  # \x{...}: one character
+                j = text.find("}", i)
+                i = n if j < 0 else j + 1
+            top[1] = 1
+            continue
+        if c == "[":
+            j = i + 1
+            while j < n and text[j] != "]":
+                j += 2 if text[j] == "\\" else 1
+            i, top[1] = j + 1, 1
+            continue
+        if literals and c in "\"'":
+            j = i + 1
+            while j < n and text[j] != c:
+                j += 2 if text[j] == "\\" else 1
+            i, top[1] = j + 1, 1
+            continue
+        if c == "(":
+            stack.append([1, 1])
+        elif c == ")" and len(stack) > 1:
+            inner = stack.pop()[0]
+            stack[-1][1] = inner
+            stack[-1][0] = max(stack[-1][0], inner)
+        elif c == "{":
+            j = text.find("}", i)
+            body = text[i + 1 : j] if j > 0 else ""
+            bounds = [b.strip() for b in body.split(",")]
+            if j > 0 and 1 <= len(bounds) <= 2 and all(b.isdigit() or b == "" for b in bounds):
+                k = max(int(b) for b in bounds if b) if any(bounds) else 1
+                single = max(single, k)
+                top[1] *= k
+                top[0] = max(top[0], top[1])
+                nested = max(nested, top[1]) if top[1] != k else nested
+                i = j + 1
+                continue
+            top[1] = 1
+        elif c == "|":
+            top[1] = 1
+        elif c not in "*+?":
+            top[1] = 1
+            top[0] = max(top[0], 1)
+        i += 1
+    return single, nested
 
 
 def check_choices(choices: list[str], param: str) -> None:
@@ -162,6 +239,7 @@ def check_grammar_text(text: str, param: str) -> None:
     """An EBNF / Lark grammar: its size, and its alternatives counted outside literals."""
     if len(text.encode()) > MAX_GRAMMAR_BYTES:
         raise bad_request(f"{param}: a grammar over {MAX_GRAMMAR_BYTES} bytes", param)
+    _check_repetition(text, param, literals=True)
     n = count_alternatives(text)
     if n > MAX_ALTERNATIVES:
         raise bad_request(

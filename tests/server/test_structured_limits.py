@@ -51,6 +51,19 @@ SERVED = [
     ),
     ("regex-over-16k", "/v1/completions", _comp(guided_regex="a" * 20_000), "guided_regex"),
     (
+        "regex-nested-ranges",
+        "/v1/completions",
+        _comp(guided_regex="((a{1,30}){1,30}){1,30}"),
+        "guided_regex",
+    ),
+    (
+        "schema-pattern-nested-ranges",
+        "/v1/chat/completions",
+        _chat_schema({"type": "object", "properties": {"s": {"type": "string",
+                      "pattern": "^(a{1,300}){1,300}$"}}}),
+        "response_format.properties.s.pattern",
+    ),
+    (
         "tool-self-required-list",
         "/v1/chat/completions",
         {
@@ -116,6 +129,20 @@ def test_numbers_nesting_and_size_limits_name_the_keyword():
     assert "nested deeper" in _refused(G.check_schema, deep, "p").message
     wide = {"enum": ["x" * 1000] * 300}
     assert "byte schema" in _refused(G.check_schema, wide, "p").message
+
+
+def test_repetitions_are_bounded_alone_and_nested():
+    """Nested ranges multiply in llguidance's lexer: ((a{1,30}){1,30}){1,30} (27000) failed on
+    the engine's 6th token ("too many expressions constructed"), (a{1,10}b{1,10}){1,100} (1000)
+    ran."""
+    assert G.repetition_bounds("((a{1,30}){1,30}){1,30}") == (30, 27000)
+    assert G.repetition_bounds("(a{1,10}b{1,10}){1,100}") == (100, 1000)
+    assert G.repetition_bounds(r"(\d{3}-){2}\x{7b}{4}[{]{9}") == (9, 6)
+    G.check_regex("(a{1,10}b{1,10}){1,100}", "p")
+    assert "multiply to 27000" in _refused(G.check_regex, "((a{1,30}){1,30}){1,30}", "p").message
+    assert "repetition of 100000" in _refused(G.check_regex, "a{100000}", "p").message
+    grammar = 'root ::= "{(" ("a"{10}){200}'  # quoted text is skipped, GBNF ranges counted
+    assert _refused(G.check_grammar_text, grammar, "p").param == "p"
 
 
 def test_alternatives_are_counted_outside_literals():
