@@ -1,6 +1,8 @@
 """DeepSeek-V4 decode step time: the fast path (batched forward, Triton kernels, CUDA graphs)
 against the per-sequence reference path, at several batch sizes and contexts, with the bytes a
-step must move and its fraction of the measured copy bandwidth; plus prefill tokens/s.
+step must move and its fraction of the measured copy bandwidth; plus prefill tokens/s at each
+`--prefill` length (in chunks of `--prefill-chunk` tokens), its GEMM TFLOP/s from the model's
+shapes (dsv4_flops.py) and their fraction of the measured bf16 matmul peak.
 
 Decode steps run on requests whose caches are filled with random values rather than prefilled
 (a 256 x 32k prefill would take the whole lease): step time depends on shapes, not on values.
@@ -24,6 +26,7 @@ import time
 
 import torch
 from decode_throughput import copy_bandwidth  # same directory
+from dsv4_flops import attention_flops_per_token, gemm_flops_per_token, matmul_peak_tflops
 
 from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvrelay.engine.engine import Engine
@@ -81,7 +84,7 @@ def make_engine(a: argparse.Namespace, backend: str) -> Engine:
         max_model_len=max(a.contexts) + 64,
         cache=CacheConfig(memory_fraction=0.9),
         scheduler=SchedulerConfig(
-            max_num_batched_tokens=a.prefill, max_running_requests=max(a.batches) + 1
+            max_num_batched_tokens=a.prefill_chunk, max_running_requests=max(a.batches) + 1
         ),
     )
     return Engine(cfg, src)
@@ -137,22 +140,30 @@ def time_decode(engine: Engine, batch: int, ctx: int, steps: int, device: str) -
     return {"step_ms": statistics.median(times), "shared_pages": shared}
 
 
-def time_prefill(engine: Engine, n: int, device: str) -> float:
+def time_prefill(engine: Engine, n: int, chunk: int, device: str) -> float:
+    """Tokens/s of one n-token prompt prefilled chunk by chunk (the engine's own step size)."""
     r = engine.runner
     ids = torch.randint(0, r.model_cfg.vocab_size, (n,)).tolist()
-    req = Request("prefill", ids, SamplingParams(max_tokens=1), 0)
     pages, slots = engine.scheduler.page_pool, engine.scheduler.slot_pool
-    req.pages = pages.alloc(-(-n // r.page_size))
-    req.state_slot = slots.alloc(1)[0]
-    r.forward([ScheduledRequest(req, n)])  # warm-up
-    sync(device)
-    t = time.perf_counter()
-    r.forward([ScheduledRequest(req, n)])
-    sync(device)
-    dt = time.perf_counter() - t
-    pages.free(req.pages)
-    slots.free([req.state_slot])
-    return n / dt
+
+    def run(tokens: int) -> float:
+        req = Request("prefill", ids[:tokens], SamplingParams(max_tokens=1), 0)
+        req.pages = pages.alloc(-(-tokens // r.page_size))
+        req.state_slot = slots.alloc(1)[0]
+        sync(device)
+        t = time.perf_counter()
+        while req.num_computed < tokens:
+            step = min(chunk, tokens - req.num_computed)
+            r.forward([ScheduledRequest(req, step)])
+            req.num_computed += step
+        sync(device)
+        dt = time.perf_counter() - t
+        pages.free(req.pages)
+        slots.free([req.state_slot])
+        return dt
+
+    run(min(n, chunk))  # warm-up: kernels tuned, the allocator's pools grown
+    return n / run(n)
 
 
 def main() -> None:
@@ -164,12 +175,14 @@ def main() -> None:
     p.add_argument("--contexts", default="4096,32768")
     p.add_argument("--reference-batches", default="1,8")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--prefill", type=int, default=4096)
+    p.add_argument("--prefill", default="4096", help="prompt lengths, e.g. 4096,32768")
+    p.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill step")
     p.add_argument("--linear-weights", default="auto", choices=["auto", "fp8"])
     p.add_argument("--out", default=None)
     a = p.parse_args()
     a.batches = [int(x) for x in a.batches.split(",")]
     a.contexts = [int(x) for x in a.contexts.split(",")]
+    a.prefill = [int(x) for x in a.prefill.split(",") if x]
     ref_batches = [int(x) for x in a.reference_batches.split(",") if x]
 
     engine = make_engine(a, "auto")
@@ -187,7 +200,25 @@ def main() -> None:
             res["x_floor"] = res["step_ms"] / res["floor_ms"]
             rows.append(res)
             print(json.dumps(res), flush=True)
-    prefill = {"tokens": a.prefill, "fast_tok_s": time_prefill(engine, a.prefill, a.device)}
+    gemm = gemm_flops_per_token(engine.runner.model)
+    peak = matmul_peak_tflops(a.device) if a.device == "cuda" else float("nan")
+    prefill_rows = []
+    for n in a.prefill:
+        tok_s = time_prefill(engine, n, a.prefill_chunk, a.device)
+        tflops = tok_s * gemm / 1e12
+        prefill_rows.append(
+            {
+                "tokens": n,
+                "fast_tok_s": tok_s,
+                "gemm_flops_per_token": gemm,
+                "attention_flops_per_token": attention_flops_per_token(cfg, n),
+                "gemm_tflops": tflops,
+                "frac_of_matmul_peak": tflops / peak,
+            }
+        )
+        print(json.dumps(prefill_rows[-1]), flush=True)
+    # the first row under the old key, for readers of earlier results
+    prefill = {**prefill_rows[0], "matmul_peak_tflops": peak, "lengths": prefill_rows}
     # the reference path on the same weights and pools
     engine.runner.family.reference, engine.runner.graphs = True, None
     for b in ref_batches:
@@ -242,7 +273,12 @@ def print_table(out: dict) -> None:
             f"{r['path']:9} {r['batch']:>5} {r['context']:>6} {r['step_ms']:>9.2f} "
             f"{fl:>9.2f} {xf:>8.2f}{flag}"
         )
-    print(f"prefill {out['prefill']['tokens']} tokens: {out['prefill']['fast_tok_s']:.0f} tok/s")
+    for r in out["prefill"]["lengths"]:
+        print(
+            f"prefill {r['tokens']} tokens: {r['fast_tok_s']:.0f} tok/s, GEMMs "
+            f"{r['gemm_tflops']:.0f} TFLOP/s = {r['frac_of_matmul_peak']:.2f} of the bf16 matmul "
+            f"peak ({out['prefill']['matmul_peak_tflops']:.0f} TFLOP/s)"
+        )
 
 
 if __name__ == "__main__":
