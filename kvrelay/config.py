@@ -231,6 +231,12 @@ ENV_KNOBS: dict[str, EnvKnob] = {
             "request headers",
         ),
         EnvKnob(
+            "KVRELAY_PD_REQUEST_WINDOW_S",
+            "60",
+            "a server takes a router-signed PD request this many seconds either side of its "
+            "signing time (the clocks of router and server may differ that much), once",
+        ),
+        EnvKnob(
             "KVRELAY_ENGINE_DEATH_EXIT_S",
             "2",
             "a `kvrelay serve` whose engine process died exits with code 3 this many seconds "

@@ -26,6 +26,8 @@ import threading
 import time
 from collections import OrderedDict
 
+from kvrelay.config import env
+
 NONCE_BYTES = 32
 PD_AUTH_HEADER = "X-Kvrelay-PD-Auth"  # the router's token over a request body with `kvrelay_pd`
 
@@ -65,7 +67,7 @@ def proof_ok(expected: bytes, got: bytes) -> bool:
 
 
 # A signed request is good for this long either side of its time (the router's and the server's
-# clocks may differ that much); within it, each nonce is taken once.
+# clocks may differ that much); within it, each nonce is taken once. KVRELAY_PD_REQUEST_WINDOW_S.
 REQUEST_WINDOW_S = 60.0
 TOKEN_VERSION = "v2"
 
@@ -91,7 +93,9 @@ class RequestVerifier:
     twice the window, at most `max_nonces` (past that the oldest go; each is past its window by
     then unless more than max_nonces signed requests came within one window)."""
 
-    def __init__(self, window_s: float = REQUEST_WINDOW_S, max_nonces: int = 1 << 20) -> None:
+    def __init__(self, window_s: float | None = None, max_nonces: int = 1 << 20) -> None:
+        if window_s is None:
+            window_s = float(env("KVRELAY_PD_REQUEST_WINDOW_S"))
         self.window_s, self.max_nonces = window_s, max_nonces
         self._seen: OrderedDict[str, float] = OrderedDict()  # nonce -> when it was taken
         self._lock = threading.Lock()
