@@ -22,7 +22,9 @@ INT32_MAX = 2**31 - 1
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Positive = Annotated[int, Field(ge=1, le=INT32_MAX)]
-MAX_BATCH_PROMPTS = 1024  # prompts in one batched request (completions, SGLang's /generate)
+# Prompts in one batched request (completions: prompts x n), SGLang's /generate: each is an
+# engine request (through the PD router a PD request).
+MAX_BATCH_PROMPTS = 1024
 
 
 def child_seed(seed: int, index: int) -> int:
@@ -346,6 +348,14 @@ class CompletionRequest(_Sampling):
                 if len(p) == 0:
                     raise FieldError(f"[{i}]", "prompt is empty")
         return v
+
+    @model_validator(mode="after")
+    def _batch_size(self):
+        if len(self.prompts) * self.n > MAX_BATCH_PROMPTS:
+            raise FieldError(
+                "n", f"{len(self.prompts)} prompts x n={self.n} is more than {MAX_BATCH_PROMPTS}"
+            )
+        return self
 
     @property
     def prompts(self) -> list[str | list[int]]:

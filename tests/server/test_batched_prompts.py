@@ -123,6 +123,7 @@ def test_sglang_batch_of_texts_and_of_ids(server, smollm2_tokenizer):
         ("/v1/completions", {"model": MODEL, "prompt": ["a", ""]}, "prompt[1]"),
         ("/v1/completions", {"model": MODEL, "prompt": [[1, 2], []]}, "prompt[1]"),
         ("/v1/completions", {"model": MODEL, "prompt": ["a"] * 1025}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": ["a"] * 100, "n": 11}, "n"),
         ("/generate", {"text": ["a", ""]}, "text[1]"),
         ("/generate", {"input_ids": [[1], []]}, "input_ids[1]"),
     ],
