@@ -90,11 +90,18 @@ class GraphRunner(Protocol):
 
 
 class Runnable(Protocol):
-    """A model family's side of the runner contract, built once per rank with its weights."""
+    """A model family's side of the runner contract, built once per rank with its weights:
+    `(EngineConfig, model config, model, device, dtype, TPGroup)` (the registry names the class
+    and, in `rank_model`, how each rank's model is loaded)."""
 
     model: torch.nn.Module
     page_size: int  # the page size the family's caches use (it may round the requested one)
     num_state_slots: int  # per-request state slots (0: the family keeps none)
+
+    @staticmethod
+    def check(cfg, model_cfg, device: torch.device) -> None:
+        """Refuse what the family cannot run (raise ValueError), before any weight is read."""
+        ...
 
     def cache_spec(self) -> CacheSpec: ...
 
@@ -103,6 +110,15 @@ class Runnable(Protocol):
         ...
 
     def build_pool(self, num_pages: int) -> CachePool: ...
+
+    def prepare_kernels(self) -> None:
+        """Set up what the forward runs with once the pool is sized (DeepSeek-V4: FP8 linears,
+        fused norms and projections, whose memory the pool's sizing did not count before)."""
+        ...
+
+    def describe(self) -> str:
+        """The family's facts for the runner's ready line."""
+        ...
 
     def prepare(self, batch: list[Scheduled], all_rows: bool, prompt_rows: list[int]) -> StepInputs:
         """The step of `batch`: each sampling request's last row is sampled (every row if
