@@ -3,7 +3,7 @@
 # a served dsv4-mini (dummy bf16, fast path) at concurrency 1 and 64, 1024 in / 64 out, first as
 # today (the whole step budget for prefill), then with --max-decode-slowdown R (default 1.3):
 # TPOT against the batch-64 decode step, with TTFT beside it. The server's warm-up
-# (engine/dsv4_warm_up.py) runs before it reports ready; its log line is printed.
+# (models/deepseek_v4/warm_up.py) runs before it reports ready; its log line is printed.
 #   run(command="bash scripts/gpu_served_latency.sh", carry=[".whl"], timeout_s=600)
 # Results in $OUT: served_latency_off.json, served_latency_r<R>.json, gpu_served_latency.log.
 cd "$(dirname "$0")/.."
