@@ -704,6 +704,8 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
             ("POST", "/v1/completions"): CompletionRequest,
             ("POST", "/generate"): GenerateRequest,
             ("POST", "/telemetry/profile"): StepProfileRequest,
+            ("POST", "/tokenize"): utility_routes.TokenizeRequest,
+            ("POST", "/detokenize"): utility_routes.DetokenizeRequest,
         },
         frozenset(
             {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/generate")}
