@@ -1,4 +1,5 @@
-"""`kvrelay up`: the command line of the launcher (router + prefill + decode on one machine)."""
+"""`kvrelay up`: the command line of the launcher (router + prefill and decode servers, one of each
+or N and M replicas, on one machine)."""
 
 from __future__ import annotations
 
@@ -11,47 +12,77 @@ import sys
 def add_up_parser(subparsers) -> argparse.ArgumentParser:
     u = subparsers.add_parser(
         "up",
-        help="start router + prefill + decode on this machine; supervise; Ctrl-C stops, SIGHUP "
-        "co-restarts",
+        help="start router + prefill + decode servers (--prefill-replicas/--decode-replicas) on "
+        "this machine; supervise; Ctrl-C stops, SIGHUP co-restarts",
     )
     u.add_argument("--host", default="127.0.0.1", help="address the router listens on")
     u.add_argument("--port", type=int, default=8000, help="router port (0: any free port)")
     u.add_argument("--server-host", default="127.0.0.1", help="address prefill/decode listen on")
-    u.add_argument("--prefill-port", type=int, default=0, help="prefill HTTP port (0: any)")
-    u.add_argument("--decode-port", type=int, default=0, help="decode HTTP port (0: any)")
-    u.add_argument("--transfer-port", type=int, default=0, help="decode KV listener port (0: any)")
+    u.add_argument(
+        "--prefill-port",
+        type=int,
+        default=0,
+        help="prefill HTTP port; replica i: this + i (0: any free ports)",
+    )
+    u.add_argument(
+        "--decode-port",
+        type=int,
+        default=0,
+        help="decode HTTP port; replica i: this + i (0: any free ports)",
+    )
+    u.add_argument(
+        "--transfer-port",
+        type=int,
+        default=0,
+        help="decode KV listener port; replica i: this + i (0: any free ports)",
+    )
+    u.add_argument(
+        "--prefill-replicas",
+        type=int,
+        default=1,
+        help="prefill servers (each its ports, log, GPUs)",
+    )
+    u.add_argument(
+        "--decode-replicas", type=int, default=1, help="decode servers (each its ports, log, GPUs)"
+    )
     u.add_argument("--log-dir", default="kvrelay-logs", help="one log file per process goes here")
     u.add_argument(
         "--prefill-gpus",
         default=None,
-        help="CUDA_VISIBLE_DEVICES of prefill, e.g. 0-3 (N GPUs: TP=N)",
+        help="CUDA_VISIBLE_DEVICES of the prefill replicas: a list (0-3) split evenly among them "
+        "in order (2 replicas: 0,1 and 2,3), or one group per replica separated by '/' (0,1/2); "
+        "a replica's N GPUs are its TP=N ranks",
     )
     u.add_argument(
         "--decode-gpus",
         default=None,
-        help="CUDA_VISIBLE_DEVICES of decode, e.g. 4,5 (N GPUs: TP=N)",
+        help="CUDA_VISIBLE_DEVICES of the decode replicas, as --prefill-gpus (e.g. 4,5)",
     )
-    u.add_argument("--model", default=None, help="passed to both servers (see `kvrelay serve`)")
+    u.add_argument("--model", default=None, help="passed to every server (see `kvrelay serve`)")
     u.add_argument("--load-format", default=None, choices=["auto", "dummy"])
     u.add_argument("--max-total-tokens", type=int, default=None)
     u.add_argument("--max-num-batched-tokens", type=int, default=None)
     u.add_argument(
         "--disable-prefix-cache",
         action="store_true",
-        help="passed to both servers: no radix prefix cache (prefill uses one by default)",
+        help="passed to every server: no radix prefix cache (prefill uses one by default)",
     )
     u.add_argument(
         "--deterministic",
         action="store_true",
-        help="passed to both servers: batch-invariant mode (see `kvrelay serve --help`)",
+        help="passed to every server: batch-invariant mode (see `kvrelay serve --help`)",
     )
     u.add_argument(
         "--server-args",
         default="",
-        help="more `kvrelay serve` args for both servers, e.g. --server-args='--dtype float32'",
+        help="more `kvrelay serve` args for every server, e.g. --server-args='--dtype float32'",
     )
-    u.add_argument("--prefill-args", default="", help="more `kvrelay serve` args for prefill")
-    u.add_argument("--decode-args", default="", help="more `kvrelay serve` args for decode")
+    u.add_argument(
+        "--prefill-args", default="", help="more `kvrelay serve` args for every prefill server"
+    )
+    u.add_argument(
+        "--decode-args", default="", help="more `kvrelay serve` args for every decode server"
+    )
     u.add_argument("--router-args", default="", help="more `kvrelay router` args")
     u.add_argument(
         "--api-key",
@@ -69,26 +100,13 @@ def add_up_parser(subparsers) -> argparse.ArgumentParser:
     return u
 
 
-def _gpus(spec: str | None) -> str | None:
-    """'0-3' -> '0,1,2,3'; '4,5' stays; None stays None."""
-    if spec is None:
-        return None
-    out: list[str] = []
-    for part in spec.split(","):
-        part = part.strip()
-        if "-" in part:
-            lo, hi = part.split("-", 1)
-            out += [str(i) for i in range(int(lo), int(hi) + 1)]
-        elif part:
-            out.append(part)
-    return ",".join(out)
-
-
 def launch_config(a: argparse.Namespace):
+    """The stack's LaunchConfig; ValueError (with the reason) for one that cannot be laid out:
+    GPUs that do not split among the replicas, two children on one port."""
     import secrets
 
     from kvrelay.config import env
-    from kvrelay.ops.launcher import LaunchConfig
+    from kvrelay.ops.stack import LaunchConfig, validate
 
     common: list[str] = []
     for flag, val in (
@@ -103,16 +121,18 @@ def launch_config(a: argparse.Namespace):
         common.append("--disable-prefix-cache")
     if a.deterministic:
         common.append("--deterministic")
-    return LaunchConfig(
+    cfg = LaunchConfig(
         host=a.host,
         port=a.port,
         server_host=a.server_host,
         prefill_port=a.prefill_port,
         decode_port=a.decode_port,
         transfer_port=a.transfer_port,
+        prefill_replicas=a.prefill_replicas,
+        decode_replicas=a.decode_replicas,
         log_dir=a.log_dir,
-        prefill_gpus=_gpus(a.prefill_gpus),
-        decode_gpus=_gpus(a.decode_gpus),
+        prefill_gpus=a.prefill_gpus,
+        decode_gpus=a.decode_gpus,
         server_args=(*common, *shlex.split(a.server_args)),
         prefill_args=tuple(shlex.split(a.prefill_args)),
         decode_args=tuple(shlex.split(a.decode_args)),
@@ -123,6 +143,8 @@ def launch_config(a: argparse.Namespace):
         # one (servers on another host, or a harness that signs as the router would).
         pd_secret=env("KVRELAY_PD_SECRET") or secrets.token_urlsafe(32),
     )
+    validate(cfg)
+    return cfg
 
 
 def cmd_up(a: argparse.Namespace) -> int:
@@ -135,7 +157,11 @@ def cmd_up(a: argparse.Namespace) -> int:
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # health polls are not events
 
-    cfg = launch_config(a)
+    try:
+        cfg = launch_config(a)
+    except ValueError as e:
+        print(f"kvrelay up: error: {e}", file=sys.stderr)
+        return 2
 
     def ready(url: str, model: str) -> None:
         auth = '-H "Authorization: Bearer $KVRELAY_API_KEY" ' if cfg.api_key else ""

@@ -1,12 +1,14 @@
-"""`kvrelay up`: start router + prefill + decode on one machine, health-gate, supervise, restart.
+"""`kvrelay up`: start the router and its prefill and decode servers (one of each, or N and M
+replicas: kvrelay/ops/stack.py lays them out) on one machine, health-gate, supervise, restart.
 
 Each child runs in its own process group with its own log file. Start-up is gated on `/ready`
-(servers first, then the router). Supervision probes liveness, `/health`, which a busy child
+(every server first, then the router). Supervision probes liveness, `/health`, which a busy child
 still answers 200: a child that exits unexpectedly is restarted on its same ports; so is one whose
 `/health` answers 503 for KVRELAY_UP_UNHEALTHY_S after it was healthy (its engine died, every step
 fails, or its loop is stalled far past its own longest step: the server applies that deadline),
 and one that gives no answer at all for KVRELAY_UP_UNRESPONSIVE_S (a hung process; a loaded one
-answers late, not never): that child alone, or the whole stack (KVRELAY_UP_RESTART_SCOPE).
+answers late, not never): that child alone (one replica: the router keeps routing to the others,
+its probe leaves out a server that is not ready), or the whole stack (KVRELAY_UP_RESTART_SCOPE).
 Readiness (`/ready` 503: busy, stalled briefly, no server behind the router) never restarts
 anything. Restarts back off;
 a child that needs more than KVRELAY_UP_MAX_RESTARTS within KVRELAY_UP_RESTART_WINDOW_S stops the
@@ -23,7 +25,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,7 +35,7 @@ from typing import IO
 
 import httpx
 
-from kvrelay.config import env
+from kvrelay.ops.stack import ChildSpec, LaunchConfig, build_specs
 
 log = logging.getLogger("kvrelay.launcher")
 
@@ -53,50 +54,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
         pass
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    host: str = "127.0.0.1"  # where the router listens
-    port: int = 8000  # router port (0: any free port)
-    server_host: str = "127.0.0.1"  # where prefill/decode listen
-    prefill_port: int = 0
-    decode_port: int = 0
-    transfer_port: int = 0  # decode's KV listener
-    log_dir: str = "kvrelay-logs"
-    prefill_gpus: str | None = None
-    decode_gpus: str | None = None
-    server_args: tuple[str, ...] = ()  # engine args for both servers
-    prefill_args: tuple[str, ...] = ()
-    decode_args: tuple[str, ...] = ()
-    router_args: tuple[str, ...] = ()
-    health_timeout_s: float = 600.0
-    stop_timeout_s: float = 20.0
-    max_backoff_s: float = 30.0
-    unhealthy_s: float = field(default_factory=lambda: float(env("KVRELAY_UP_UNHEALTHY_S")))
-    unresponsive_s: float = field(default_factory=lambda: float(env("KVRELAY_UP_UNRESPONSIVE_S")))
-    max_restarts: int = field(default_factory=lambda: int(env("KVRELAY_UP_MAX_RESTARTS")))
-    restart_window_s: float = field(
-        default_factory=lambda: float(env("KVRELAY_UP_RESTART_WINDOW_S"))
-    )
-    restart_scope: str = field(default_factory=lambda: env("KVRELAY_UP_RESTART_SCOPE"))
-    api_key: str = field(default="", repr=False)  # "": none
-    pd_secret: str = field(default="", repr=False)  # shared by the router and both servers
-
-
-@dataclass
-class ChildSpec:
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    url: str
-    log_path: Path
 
 
 @dataclass
@@ -122,56 +79,6 @@ class Child:
 class Flags:
     stop: int = 0
     hup: bool = False
-
-
-def _resolve_ports(cfg: LaunchConfig) -> tuple[int, int, int, int]:
-    pick = lambda p, h: p or free_port(h)  # noqa: E731
-    return (
-        pick(cfg.port, cfg.host),
-        pick(cfg.prefill_port, cfg.server_host),
-        pick(cfg.decode_port, cfg.server_host),
-        pick(cfg.transfer_port, cfg.server_host),
-    )
-
-
-def build_specs(cfg: LaunchConfig) -> list[ChildSpec]:
-    """Prefill, decode, router: argv, env (GPU assignment), URL and log file of each."""
-    rport, pport, dport, tport = _resolve_ports(cfg)
-    logs = Path(cfg.log_dir)
-    py = [sys.executable, "-m", "kvrelay.cli"]
-    purl, durl = f"http://{cfg.server_host}:{pport}", f"http://{cfg.server_host}:{dport}"
-    base_env = dict(os.environ, KVRELAY_PD_SECRET=cfg.pd_secret)
-    if cfg.api_key:
-        base_env["KVRELAY_API_KEY"] = cfg.api_key
-
-    def server(role: str, port: int, gpus: str | None, extra: tuple[str, ...]) -> ChildSpec:
-        env = dict(base_env)
-        if gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = gpus
-        argv = [*py, "serve", "--role", role, "--host", cfg.server_host, "--port", str(port)]
-        if role == "decode":
-            argv += ["--transfer-host", cfg.server_host, "--transfer-port", str(tport)]
-        argv += [*cfg.server_args, *extra]
-        ranks = len(gpus.split(",")) if gpus else 1
-        if ranks > 1 and "--tensor-parallel-size" not in argv:  # a side's GPUs are its TP ranks
-            argv += ["--tensor-parallel-size", str(ranks)]
-        url = f"http://{cfg.server_host}:{port}"
-        return ChildSpec(role, argv, env, url, logs / f"{role}.log")
-
-    router_argv = [
-        *py,
-        "router",
-        *("--host", cfg.host, "--port", str(rport), "--prefill", purl, "--decode", durl),
-        *cfg.router_args,
-    ]
-    rhost = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
-    return [
-        server("prefill", pport, cfg.prefill_gpus, cfg.prefill_args),
-        server("decode", dport, cfg.decode_gpus, cfg.decode_args),
-        ChildSpec(
-            "router", router_argv, dict(base_env), f"http://{rhost}:{rport}", logs / "router.log"
-        ),
-    ]
 
 
 class Launcher:
@@ -312,7 +219,7 @@ class Launcher:
 
     def start_all(self) -> None:
         """Servers first (in parallel), then the router; returns once all are healthy."""
-        servers = [c for c in self.children if c.name != "router"]
+        servers = [c for c in self.children if c.spec.role != "router"]
         for c in servers:
             self._spawn(c)
         self._wait_healthy(servers)
@@ -325,14 +232,15 @@ class Launcher:
             self._announce()
 
     def stop_all(self) -> None:
-        for c in sorted(self.children, key=lambda c: c.name != "router"):
+        for c in sorted(self.children, key=lambda c: c.spec.role != "router"):
             self._stop(c, self.cfg.stop_timeout_s)
 
     def _announce(self) -> None:
         model = "?"
         auth = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
         try:
-            url = self.by_name["decode"].spec.url + "/pd/info"
+            decode = next(c for c in self.children if c.spec.role == "decode")
+            url = decode.spec.url + "/pd/info"
             model = httpx.get(url, headers=auth, timeout=5).json()["model"]
         except (httpx.HTTPError, ValueError, KeyError):
             pass
@@ -396,7 +304,7 @@ class Launcher:
             log.error("%s action=give_up: stopping the stack", self.gave_up)
             return
         c.backoff_s = 0.5 if uptime > 60 else min(max(c.backoff_s * 2, 1.0), self.cfg.max_backoff_s)
-        stack = self.cfg.restart_scope == "stack" and c.name != "router"
+        stack = self.cfg.restart_scope == "stack" and c.spec.role != "router"
         log.warning(
             "child=%s %s uptime_s=%.1f action=%s in_s=%.1f restarts=%d",
             c.name,

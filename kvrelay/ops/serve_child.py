@@ -9,7 +9,8 @@ from pathlib import Path
 
 import httpx
 
-from kvrelay.ops.launcher import Launcher, LaunchError, _die_with_parent, free_port
+from kvrelay.ops.launcher import Launcher, LaunchError, _die_with_parent
+from kvrelay.ops.replicas import free_port
 
 
 class ServeChild:

@@ -20,7 +20,6 @@ import httpx
 import openai
 import pytest
 
-from kvrelay.ops.cli import _gpus
 from kvrelay.ops.launcher import LaunchConfig, build_specs
 from kvrelay.ops.procs import engine_pid
 
@@ -118,8 +117,8 @@ def test_build_specs_ports_gpus_and_logs(tmp_path):
         port=0,
         transfer_port=45678,
         log_dir=str(tmp_path),
-        prefill_gpus=_gpus("0-3"),
-        decode_gpus=_gpus("4,5"),
+        prefill_gpus="0-3",
+        decode_gpus="4,5",
         server_args=("--model", "smollm2"),
         api_key="stack-key",
         pd_secret="stack-secret",
