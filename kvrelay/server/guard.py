@@ -1,7 +1,7 @@
 """The HTTP front door of the server and the router: the API key, and bounded request bodies.
 
 An ASGI middleware, so that it holds for every route and before any route reads a byte:
-- with an API key set, every path but /health, /ready and /metrics needs `Authorization: Bearer KEY`
+- with an API key set, every path but /health, /ready, /ping and /metrics needs `Authorization: Bearer KEY`
   (compared in constant time); anything else gets 401, before the body is read;
 - a body larger than the limit gets 413, whether it announces its length (Content-Length) or not
   (chunked): the body is read incrementally, and the answer goes out as soon as the limit is
@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvrelay.server.errors import APIError
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/ping", "/metrics"})  # probes: nothing to hide
 
 
 class HttpGuard:

@@ -1,7 +1,7 @@
 """Who may use a server, and how much they may send (a real `kvrelay serve` process).
 
-One prefill-role server started with an API key, a small body limit and no PD secret: /health, /ready and
-/metrics stay open, every other route needs `Authorization: Bearer KEY` (401 in the OpenAI error
+One prefill-role server started with an API key, a small body limit and no PD secret: /health, /ready,
+/ping and /metrics stay open, every other route needs `Authorization: Bearer KEY` (401 in the OpenAI error
 format otherwise), bodies over the limit get 413 whether chunked or not, and PD routing fields are
 refused (403) without a connection to the decode address they name.
 """
@@ -43,6 +43,8 @@ def _is_openai_error(r: httpx.Response, status: int, code: str) -> None:
 def test_health_ready_and_metrics_stay_open(guarded):
     assert httpx.get(guarded.url + "/health").status_code == 200  # alive
     assert httpx.get(guarded.url + "/metrics").status_code == 200
+    for method in ("GET", "POST"):  # vLLM-style liveness probes carry no key
+        assert httpx.request(method, guarded.url + "/ping").status_code == 200
     # ... but a prefill server without the PD secret serves nothing, and says so where asked
     r = httpx.get(guarded.url + "/ready")
     _is_openai_error(r, 503, "engine_unavailable")
@@ -54,6 +56,8 @@ ROUTES = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
     ("GET", "/server_info"),
+    ("GET", "/version"),
+    ("POST", "/tokenize"),
     ("GET", "/telemetry/steps"),
     ("GET", "/telemetry/profile"),
     ("POST", "/telemetry/profile"),
