@@ -95,6 +95,23 @@ class Up:
     def url_of(self, name: str) -> str:
         return [m[1] for ln in self.lines if (m := re.search(rf"child={name} .*url=(\S+)", ln))][-1]
 
+    def stop(self) -> None:
+        """Ctrl-C if it still runs (a test that failed midway); killed past 30 s."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def _left_alive(pids: set[int], timeout: float) -> list[int]:
+    """Those of `pids` still alive after up to `timeout` seconds."""
+    deadline = time.time() + timeout
+    while (left := [p for p in pids if _alive(p)]) and time.time() < deadline:
+        time.sleep(0.2)
+    return left
+
 
 def _up(log_dir: Path, *args: str) -> Up:
     return Up([sys.executable, "-c", UP, "up", "--port", "0", "--log-dir", str(log_dir), *args])
@@ -202,18 +219,11 @@ def test_up_serves_restarts_decode_and_stops_cleanly(tmp_path):
         assert children
         up.proc.send_signal(signal.SIGINT)
         assert up.proc.wait(timeout=60) == 0, "".join(up.lines)
-        deadline = time.time() + 5
-        while (left := [p for p in children if _alive(p)]) and time.time() < deadline:
-            time.sleep(0.2)
+        left = _left_alive(children, 5)
         assert not left, f"children still alive: {left}"
         assert any("shutdown done" in ln for ln in up.lines)
     finally:
-        if up.proc.poll() is None:
-            up.proc.send_signal(signal.SIGINT)
-            try:
-                up.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                up.proc.kill()
+        up.stop()
 
 
 def _serves_again(url: str, key: str, timeout: float) -> None:

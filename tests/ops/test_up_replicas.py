@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -18,7 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from test_launcher import Up, _alive, _descendants, _up
+from test_launcher import Up, _alive, _descendants, _left_alive, _up
 
 from kvrelay.ops.cli import main as up_main
 from kvrelay.ops.replicas import gpu_groups
@@ -232,14 +231,7 @@ def test_two_by_two_stack_serves_and_restarts_one_decode_alone(tmp_path):
         children = _descendants(up.proc.pid)
         up.proc.send_signal(signal.SIGINT)
         assert up.proc.wait(timeout=60) == 0, "".join(up.lines)
-        deadline = time.time() + 10
-        while (left := [p for p in children if _alive(p)]) and time.time() < deadline:
-            time.sleep(0.2)
+        left = _left_alive(children, 10)
         assert not left, f"children still alive: {left}"
     finally:
-        if up.proc.poll() is None:
-            up.proc.send_signal(signal.SIGINT)
-            try:
-                up.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                up.proc.kill()
+        up.stop()
