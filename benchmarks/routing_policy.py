@@ -12,10 +12,8 @@ CPU (SmolLM2, 2 prefill x 2 decode, a few minutes):
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -24,6 +22,7 @@ import tempfile
 import httpx
 from pd_vs_single import free_port, stop, wait_healthy
 from prefix_cache import bench, row
+from prefix_cache import meta as prefix_meta
 
 SECRET = "routing-policy-bench-secret"
 
@@ -134,17 +133,11 @@ def print_table(results: dict) -> None:
 
 
 def meta(a: argparse.Namespace) -> dict:
-    import torch
-
+    """prefix_cache.py's run description, and the commit."""
+    git = ["git", "rev-parse", "--short", "HEAD"]
     return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip(),
-        "args": vars(a),
+        **prefix_meta(a),
+        "commit": subprocess.run(git, capture_output=True, text=True).stdout.strip(),
     }
 
 
