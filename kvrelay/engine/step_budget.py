@@ -26,21 +26,24 @@ class PrefillBudget:
         if max_slowdown and max_slowdown <= 1.0:
             raise ValueError("--max-decode-slowdown must be above 1 (or 0: off)")
         self.max_slowdown, self.min_tokens, self.max_tokens = max_slowdown, min_tokens, max_tokens
-        self.decode_steps: deque[tuple[int, float]] = deque(maxlen=WINDOW)  # (rows, ms)
+        self.decode_steps: deque[tuple[int, float]] = deque()  # (rows, ms), the last WINDOW
+        self._sums = [0.0] * 5  # over them: rows, ms, rows², rows·ms, count (O(1) per step)
         self.ms_per_token: float | None = None
         self.last_cap = max_tokens
 
     def decode_ms(self, rows: int) -> float | None:
         """Predicted ms of a decode-only step of `rows` rows (None: not measured yet)."""
-        pts = self.decode_steps
-        if not pts:
+        sr, st, srr, srt, n = self._sums
+        if not n:
             return None
-        n = len(pts)
-        mx = sum(r for r, _ in pts) / n
-        my = sum(t for _, t in pts) / n
-        var = sum((r - mx) ** 2 for r, _ in pts)
-        b = sum((r - mx) * (t - my) for r, t in pts) / var if var > 0 else 0.0
+        mx, my = sr / n, st / n
+        var = srr - n * mx * mx
+        b = (srt - n * mx * my) / var if var > 1e-9 else 0.0
         return max(my + max(b, 0.0) * (rows - mx), 1e-3)
+
+    def _add_decode_step(self, rows: int, ms: float, sign: float = 1.0) -> None:
+        for i, v in enumerate((rows, ms, rows * rows, rows * ms, 1)):
+            self._sums[i] += sign * v
 
     def observe(self, decode_rows: int, prefill_tokens: int, ms: float) -> None:
         """A finished step: its decode rows (one token each), prefill tokens and wall time."""
@@ -48,6 +51,9 @@ class PrefillBudget:
             return
         if prefill_tokens == 0:
             self.decode_steps.append((decode_rows, ms))
+            self._add_decode_step(decode_rows, ms)
+            if len(self.decode_steps) > WINDOW:
+                self._add_decode_step(*self.decode_steps.popleft(), sign=-1.0)
             return
         base = self.decode_ms(decode_rows) if decode_rows else 0.0
         if base is None or prefill_tokens < MIN_MEASURED_TOKENS:
