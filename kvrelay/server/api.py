@@ -149,10 +149,7 @@ def create_app(cfg: ServerConfig, on_ready=None) -> FastAPI:
     @app.api_route("/health", methods=["GET", "HEAD"], response_class=PlainTextResponse)
     async def health():
         """Liveness: the engine runs and its loop turns (a busy engine is alive)."""
-        reason = state.client.unhealthy_reason()
-        if reason is not None:
-            raise unavailable(reason)
-        return PlainTextResponse("ok")
+        return utility_routes.liveness(state)
 
     @app.api_route("/ready", methods=["GET", "HEAD"], response_class=PlainTextResponse)
     async def ready():

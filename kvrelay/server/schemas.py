@@ -42,6 +42,20 @@ class FieldError(ValueError):
         self.param = param
 
 
+def check_prompts(v, empty: str):
+    """A prompt or a batch of them (strings or token-id lists): none empty (`empty` is the
+    message), at most MAX_BATCH_PROMPTS; a batch's empty prompt is named by its index."""
+    if isinstance(v, list | str) and len(v) == 0:
+        raise ValueError(empty)
+    if isinstance(v, list) and isinstance(v[0], str | list):
+        if len(v) > MAX_BATCH_PROMPTS:
+            raise ValueError(f"at most {MAX_BATCH_PROMPTS} prompts in one request")
+        for i, p in enumerate(v):
+            if len(p) == 0:
+                raise FieldError(f"[{i}]", empty)
+    return v
+
+
 def stop_list(v) -> list[str]:
     """`stop` as a list: one string or a list of at most 16 non-empty strings."""
     stops = [v] if isinstance(v, str) else (v or [])
@@ -339,15 +353,7 @@ class CompletionRequest(_Sampling):
     @field_validator("prompt")
     @classmethod
     def _prompts(cls, v):
-        if isinstance(v, list | str) and len(v) == 0:
-            raise ValueError("prompt is empty")
-        if isinstance(v, list) and isinstance(v[0], str | list):
-            if len(v) > MAX_BATCH_PROMPTS:
-                raise ValueError(f"at most {MAX_BATCH_PROMPTS} prompts in one request")
-            for i, p in enumerate(v):
-                if len(p) == 0:
-                    raise FieldError(f"[{i}]", "prompt is empty")
-        return v
+        return check_prompts(v, "prompt is empty")
 
     @model_validator(mode="after")
     def _batch_size(self):

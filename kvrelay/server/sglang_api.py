@@ -29,11 +29,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kvrelay.server.generation import Delta, Generation
 from kvrelay.server.schemas import (
-    MAX_BATCH_PROMPTS,
-    FieldError,
     Int64,
     Positive,
     TokenId,
+    check_prompts,
     stop_list,
 )
 from kvrelay.server.sglang_logprobs import SGLangLogprobs
@@ -95,15 +94,7 @@ class GenerateRequest(BaseModel):
     @field_validator("text", "input_ids")
     @classmethod
     def _prompts(cls, v):
-        if v is not None and len(v) == 0:
-            raise ValueError("is empty")
-        if isinstance(v, list) and isinstance(v[0], str | list):
-            if len(v) > MAX_BATCH_PROMPTS:
-                raise ValueError(f"at most {MAX_BATCH_PROMPTS} prompts in one request")
-            for i, p in enumerate(v):
-                if len(p) == 0:
-                    raise FieldError(f"[{i}]", "is empty")
-        return v
+        return check_prompts(v, "is empty")
 
     @model_validator(mode="after")
     def _text_or_ids(self):

@@ -59,6 +59,14 @@ class DetokenizeRequest(BaseModel):
     tokens: list[TokenId]
 
 
+def liveness(state) -> PlainTextResponse:
+    """ "ok" while the engine runs and its loop turns (a busy engine is alive); 503 naming why not."""
+    reason = state.client.unhealthy_reason()
+    if reason is not None:
+        raise unavailable(reason)
+    return PlainTextResponse("ok")
+
+
 def register(app: FastAPI, state) -> None:
     """The routes, on `state` (api.ServerState: tokenizer, chat format, model name)."""
 
@@ -142,7 +150,4 @@ def register(app: FastAPI, state) -> None:
     @app.api_route("/ping", methods=["GET", "POST"], response_class=PlainTextResponse)
     async def ping():
         """Liveness, as /health (vLLM's /ping, for SageMaker-style probes)."""
-        reason = state.client.unhealthy_reason()
-        if reason is not None:
-            raise unavailable(reason)
-        return PlainTextResponse("ok")
+        return liveness(state)
