@@ -19,10 +19,10 @@ from kvrelay.config import (
     env,
     env_help,
 )
-from kvrelay.disagg.router_policy import POLICIES
 from kvrelay.models import registry
 from kvrelay.ops.cli import add_up_parser
 from kvrelay.ops.open_files import raise_open_files_limit
+from kvrelay.router.policy import POLICIES
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -440,8 +440,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
 def cmd_router(a: argparse.Namespace) -> int:
     import uvicorn
 
-    from kvrelay.disagg.router import create_router_app
     from kvrelay.engine.process_setup import setup_logging
+    from kvrelay.router.app import create_router_app
 
     setup_logging()
     cfg = RouterConfig(

@@ -1,1 +1,1 @@
-"""Prefill-decode disaggregation: protocol, transfer agents (sender/receiver), transports, router."""
+"""Prefill-decode disaggregation: protocol, transfer agents (sender/receiver), transports."""

@@ -11,7 +11,7 @@ response shapes.
 
 Refused with a 400: `max_tokens` 0 without `echo`; `prompt_logprobs` with `stream` (vLLM refuses
 it too). Through the PD router the prefill server scores the prompt (it runs it) and the router
-merges its part into decode's answer (disagg/router_prompt_logprobs.py); `max_tokens` 0 goes to a
+merges its part into decode's answer (router/prompt_logprobs.py); `max_tokens` 0 goes to a
 prefill server alone.
 """
 

@@ -334,7 +334,7 @@ def test_repro_names_what_a_real_router_answers(server, tmp_path, capsys):
     """The reference on a real server; the level through a real router whose servers are not
     there: every request fails, and the report names the router's own status, code and message."""
     from kvrelay.config import RouterConfig
-    from kvrelay.disagg.router import create_router_app
+    from kvrelay.router.app import create_router_app
 
     port = free_port()
     nowhere = ("http://127.0.0.1:9",)  # the discard port: nothing listens

@@ -14,7 +14,7 @@ import uvicorn
 from conftest import free_port
 
 from kvrelay.config import RouterConfig
-from kvrelay.disagg.router import create_router_app
+from kvrelay.router.app import create_router_app
 
 KEY = "sk-router-test"
 LIMIT = 64 << 10

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_router_access import RunningRouter
 
 from kvrelay.config import RouterConfig
-from kvrelay.disagg.router_metrics import SCRAPE_TIMEOUT_S
+from kvrelay.router.metrics import SCRAPE_TIMEOUT_S
 
 
 def _exposition() -> bytes:

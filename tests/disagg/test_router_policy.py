@@ -1,4 +1,4 @@
-"""The router's routing policies (disagg/router_policy.py) on simulated traffic: cache_aware
+"""The router's routing policies (router/policy.py) on simulated traffic: cache_aware
 sends a conversation's next turn where its earlier turns went (round robin would, for two
 servers, about half the time), spreads requests sharing one system prompt once the load would
 tilt, and forgets what it sent past its bound; the prefix hashes are prefixes."""
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from kvrelay.disagg.router_policy import (
+from kvrelay.router.policy import (
     BLOCK_CHARS,
     RoutingPolicy,
     ServerMemory,

@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 
 from kvrelay.config import RouterConfig
 from kvrelay.disagg.handshake import PD_AUTH_HEADER, request_token_ok
-from kvrelay.disagg.router import Router
+from kvrelay.router.routing import Router
 
 BODY = {"model": "m", "prompt": "hi", "max_tokens": 3, "stream": True}
 SECRET = "router-test-secret"

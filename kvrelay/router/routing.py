@@ -1,21 +1,13 @@
-"""`kvrelay router`: the OpenAI-compatible front of a PD deployment.
-
-Per request: pick a (prefill, decode) pair, mint the request id and the transfer id, POST the
-request to both with the `kvrelay_pd` field (decode reserves KV and waits; prefill reserves on
-decode, computes the prompt, ships KV + first token), and stream decode's answer back. Any failure
-becomes an OpenAI-format error naming its cause (an SSE error event once streaming has begun).
-A failed attempt is retried on a fresh pair only while nothing has been streamed to the client.
-The PD fields of each request are signed with the PD secret (the `X-Kvrelay-PD-Auth` header over
-the exact body bytes): servers take them from no one else. With an API key, clients must send it
-(guard.py) and the router sends it to the servers. Bodies are validated as the servers do
-(server/validation.py) before anything is routed, and every answer, 404 and 500 included, is an
-OpenAI error. Outcomes counted: ok, error, client_disconnected (the client left first),
-overloaded (past --max-concurrent-requests: 503 with Retry-After), and http_<status> for what
-never reached routing.
-`/health` says the router is alive; `/ready` says it can serve (its PD secret is set and at least
-one prefill and one decode server answered their own `/ready` in the last background probe).
-Both answer from state the router keeps (router_probe.py), never from a request behind traffic.
-"""
+"""One PD request routed: pick a (prefill, decode) pair (policy.py, among the servers ready at
+the last probe, probe.py), mint the request id and the transfer id, POST the request to both with
+the `kvrelay_pd` field (decode reserves KV and waits; prefill reserves on decode, computes the
+prompt, ships KV + first token), and answer decode's reply, or stream it (relay.py). Any failure
+becomes an OpenAI-format error naming its cause (RouteError; an SSE error event once streaming
+has begun). A failed attempt is retried on a fresh pair only while nothing has been streamed to
+the client. The PD fields of each request are signed with the PD secret (the `X-Kvrelay-PD-Auth`
+header over the exact body bytes): servers take them from no one else. Outcomes counted: ok,
+error, client_disconnected (the client left first), overloaded (past --max-concurrent-requests:
+503 with Retry-After)."""
 
 from __future__ import annotations
 
@@ -23,30 +15,22 @@ import asyncio
 import json
 import logging
 import uuid
-from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
-from urllib.parse import quote
+from dataclasses import dataclass
 
 import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from starlette.background import BackgroundTask
 
-from kvrelay.config import RouterConfig, redacted
-from kvrelay.disagg import router_fanout, router_metrics, router_prompt_logprobs
+from kvrelay.config import RouterConfig
 from kvrelay.disagg.handshake import PD_AUTH_HEADER, request_token
 from kvrelay.disagg.protocol import pd_status
-from kvrelay.disagg.router_lanes import ClientLanes
-from kvrelay.disagg.router_policy import RoutingPolicy, block_hashes, prompt_text
-from kvrelay.disagg.router_probe import ServerProbe
-from kvrelay.server import prompt_logprobs
-from kvrelay.server.errors import install_error_handlers
-from kvrelay.server.guard import HttpGuard
-from kvrelay.server.openapi_doc import document_bodies
-from kvrelay.server.schemas import ChatCompletionRequest, CompletionRequest
-from kvrelay.server.sglang_api import GenerateRequest
-from kvrelay.server.validation import parse_json, validate
+from kvrelay.router import prompt_logprobs
+from kvrelay.router.lanes import ClientLanes
+from kvrelay.router.policy import RoutingPolicy, block_hashes, prompt_text
+from kvrelay.router.probe import ServerProbe
+from kvrelay.router.relay import Relay
 
 log = logging.getLogger("kvrelay.router")
 
@@ -97,7 +81,7 @@ class Router:
         timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
         # Two connections per request in flight (prefill and decode): one client of httpx's
         # default 100 would queue requests past 50 behind one another, and one of 2 x the limit
-        # would walk its whole pool on every request (router_lanes.py).
+        # would walk its whole pool on every request (lanes.py).
         self.lanes = ClientLanes(
             lambda n: httpx.AsyncClient(
                 timeout=timeout,
@@ -343,7 +327,7 @@ class Router:
         )
         ptask = asyncio.create_task(self._prefill(client, p_url + path, pbody))
         dresp: httpx.Response | None = None
-        scores = router_prompt_logprobs.needed(path, body)  # prefill's part of the answer
+        scores = prompt_logprobs.needed(path, body)  # prefill's part of the answer
         patch = None
         try:
             dresp = await self._race(dtask, ptask, rid)
@@ -353,7 +337,7 @@ class Router:
                 data = await dresp.aread()
                 await dresp.aclose()
                 if scores:
-                    data = router_prompt_logprobs.merge_body(path, body, data, await ptask)
+                    data = prompt_logprobs.merge_body(path, body, data, await ptask)
                 else:
                     asyncio.create_task(self._drain(ptask, rid))
                 return Response(data, media_type="application/json")
@@ -370,7 +354,7 @@ class Router:
             if (
                 scores
             ):  # prefill answers once decode has its KV: about when decode's first event comes
-                patch = router_prompt_logprobs.event_patcher(path, body, await ptask)
+                patch = prompt_logprobs.event_patcher(path, body, await ptask)
                 first = patch(first)
         except BaseException:
             dtask.cancel()
@@ -464,231 +448,3 @@ class Router:
         """Why the router cannot serve now ([]: it can), from what it keeps."""
         why = [] if self.cfg.pd_secret else ["the router has no PD secret (--pd-secret)"]
         return why + self.probe.not_ready()
-
-
-class Relay:
-    """Decode's SSE stream, relayed to the client; a broken decode stream becomes an error event."""
-
-    def __init__(
-        self,
-        router: Router,
-        first: str,
-        lines,
-        dresp: httpx.Response,
-        rid: str,
-        lane: int,
-        patch=None,
-        pair: tuple[str, str] = (),
-    ) -> None:
-        self.router, self.first, self.lines, self.dresp, self.rid = router, first, lines, dresp, rid
-        self.lane, self.pair = lane, pair  # the pair's load counts until the stream settles
-        self.patch = patch  # puts prefill's prompt scores into decode's events (None: none)
-        self.ended = False  # decode's stream reached its end (or broke): the client saw it all
-        self.broken = False  # decode's stream broke (the client got an error event)
-        self.closed = False
-        self.settled = False
-
-    async def events(self):
-        try:
-            yield self.first + "\n\n"
-            try:
-                async for line in self.lines:
-                    if line.strip() == "data: [DONE]":
-                        # Settled before the client sees it: a client that leaves on [DONE]
-                        # (the openai SDK does) got everything and must count as ok.
-                        self.ended = True
-                        self.settle()
-                        yield line + "\n\n"
-                        return
-                    if line.strip():
-                        yield (self.patch(line) if self.patch else line) + "\n\n"
-            except httpx.HTTPError as e:
-                self.router.failures.labels(cause="stream_broken").inc()
-                log.warning("decode stream broke rid=%s error=%s", self.rid, e)
-                err = {
-                    "message": f"decode stream broke: {type(e).__name__}: {e}",
-                    "type": "server_error",
-                    "code": "stream_broken",
-                }
-                self.broken = True
-                yield f"data: {json.dumps({'error': err})}\n\n"
-                self.ended = True
-                self.settle()
-                yield "data: [DONE]\n\n"
-            self.ended = True
-        finally:
-            await self.close()
-
-    async def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if not self.ended:
-            self.router.disconnects.inc()
-            log.info("client disconnected, aborting rid=%s", self.rid)
-        self.settle()
-        await self.dresp.aclose()
-
-    def settle(self) -> None:
-        """Count the outcome and free the request's slot, once."""
-        if self.settled:
-            return
-        self.settled = True
-        outcome = "error" if self.broken else "ok" if self.ended else "client_disconnected"
-        self.router.requests.labels(outcome=outcome).inc()
-        self.router.release(self.lane)
-        self.router.policy.end(self.pair)
-
-
-def create_router_app(cfg: RouterConfig, on_ready=None) -> FastAPI:
-    router = Router(cfg)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is ours, with ids
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        router.probe.start()
-        if on_ready is not None:
-            on_ready()
-        yield
-        await router.probe.close()
-        await router.lanes.aclose()
-
-    app = FastAPI(title="kvrelay router", lifespan=lifespan)
-    app.state.router = router
-
-    def count(status: int) -> None:
-        router.requests.labels(outcome=f"http_{status}").inc()
-
-    app.add_middleware(
-        HttpGuard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes, on_reject=count
-    )
-    install_error_handlers(app, count)
-    if not cfg.pd_secret:
-        log.warning(
-            "no PD secret (--pd-secret, --pd-secret-file or KVRELAY_PD_SECRET): every request "
-            "is answered 503, the servers would refuse it"
-        )
-
-    @app.api_route("/health", methods=["GET", "HEAD"])
-    async def health():
-        """Liveness: the router answers. Its servers' last probe is shown, not waited for."""
-        return JSONResponse({"status": "alive", "servers": router.probe.snapshot()})
-
-    @app.api_route("/ready", methods=["GET", "HEAD"])
-    async def ready():
-        """Readiness: the router can route (secret set, a prefill and a decode server ready)."""
-        why = router.not_ready()
-        if why:
-            return RouteError(503, "; ".join(why), "not_ready").response()
-        return JSONResponse({"status": "ready", "servers": router.probe.snapshot()})
-
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics():
-        """The router's metrics, then its servers' (router_metrics.py: relabelled per server,
-        each fetched within a short timeout)."""
-        own = generate_latest(router.registry).decode()
-        servers = [(u, "prefill") for u in cfg.prefill] + [(u, "decode") for u in cfg.decode]
-        return PlainTextResponse(own + await router_metrics.servers_text(router.client, servers))
-
-    @app.api_route("/ping", methods=["GET", "POST"], response_class=PlainTextResponse)
-    async def ping():
-        """Liveness (vLLM's /ping), as /health."""
-        return PlainTextResponse("ok")
-
-    async def from_decode(path: str, body: bytes | None = None) -> Response:
-        """A read-only request answered by a decode server (they all serve one model and one
-        tokenizer): the first ready one at the last probe."""
-        url = (router.probe.ready_urls("decode") or cfg.decode)[0] + path
-        try:
-            if body is None:
-                r = await router.client.get(url)
-            else:
-                headers = {"Content-Type": "application/json"}
-                r = await router.client.post(url, content=body, headers=headers)
-        except httpx.HTTPError as e:
-            return RouteError(
-                503, f"decode server unreachable: {e}", "decode_unreachable"
-            ).response()
-        return Response(r.content, status_code=r.status_code, media_type="application/json")
-
-    @app.get("/v1/models")
-    async def models():
-        return await from_decode("/v1/models")
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        return await from_decode(f"/v1/models/{quote(model_id, safe='')}")
-
-    @app.get("/version")
-    async def version():
-        return await from_decode("/version")
-
-    @app.get("/server_info")
-    async def server_info():
-        """The router's configuration (secrets redacted) and each server's own /server_info
-        (or why it could not be had): what `kvrelay repro --deterministic-check` and the ledger
-        read through a router."""
-
-        async def one(url: str):
-            try:
-                r = await router.client.get(url + "/server_info", timeout=cfg.connect_timeout_s)
-                return r.json() if r.status_code == 200 else {"error": f"HTTP {r.status_code}"}
-            except (httpx.HTTPError, ValueError) as e:
-                return {"error": f"{type(e).__name__}: {e}"}
-
-        urls = [*cfg.prefill, *cfg.decode]
-        infos = await asyncio.gather(*(one(u) for u in urls))
-        return {
-            "role": "router",
-            "config": redacted(asdict(cfg)),
-            "servers": dict(zip(urls, infos, strict=True)),
-        }
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        return await from_decode("/tokenize", await request.body())
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        return await from_decode("/detokenize", await request.body())
-
-    async def _body(request: Request, schema) -> tuple[dict, object]:
-        """The client's body, validated as the servers will (a 400 here costs no pair)."""
-        body = parse_json(await request.body())
-        body.pop("kvrelay_pd", None)  # only the router sets it
-        req = validate(schema, body)
-        if schema is not GenerateRequest:
-            prompt_logprobs.check(req)  # what one server refuses, refused before routing
-        return body, req
-
-    async def handle(path: str, request: Request, schema) -> Response:
-        """One PD request, or one per prompt and sample (router_fanout.py); a completion that
-        generates nothing (max_tokens 0: the prompt's scores alone) is prefill's alone."""
-        body, req = await _body(request, schema)
-        route = router.route_prefill_only if body.get("max_tokens") == 0 else router.route
-        subs = router_fanout.split(path, body, req)
-        if subs is None:
-            return await route(path, body, request)
-        n = getattr(req, "n", 1)
-        return await router_fanout.run(path, body, subs, n, lambda b: route(path, b, request))
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await handle("/v1/chat/completions", request, ChatCompletionRequest)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await handle("/v1/completions", request, CompletionRequest)
-
-    @app.post("/generate")
-    async def generate(request: Request):
-        """SGLang's native generate, disaggregated like the OpenAI routes."""
-        return await handle("/generate", request, GenerateRequest)
-
-    routes = {
-        ("POST", "/v1/chat/completions"): ChatCompletionRequest,
-        ("POST", "/v1/completions"): CompletionRequest,
-        ("POST", "/generate"): GenerateRequest,
-    }
-    document_bodies(app, routes, frozenset(routes))
-    return app
