@@ -21,6 +21,9 @@ from typing import Annotated, Literal
 
 import msgspec
 
+# Its home is engine/messages.py (AddRequest carries it); the PD agents name it P.PDParams.
+from kvrelay.engine.messages import PDParams  # noqa: F401
+
 # 2: pieces name their cache kinds; 3: authenticated handshake, typed IPC; 4: Released (the fence);
 # 5: ReserveAck.skip_tokens (decode holds a cached prefix); 6: ReserveAck.every_row, and a skip
 # for models with per-request state (DeepSeek-V4's per-page compressor state travels as a kind);
@@ -41,15 +44,6 @@ Blob = Annotated[bytes, msgspec.Meta(max_length=4096)]  # an opaque CUDA handle
 Description = Annotated[
     list[Annotated[str, msgspec.Meta(max_length=1024)]], msgspec.Meta(max_length=MAX_KINDS + 1)
 ]
-
-
-class PDParams(msgspec.Struct, frozen=True):
-    """What the router tells each side about one request."""
-
-    role: Annotated[str, msgspec.Meta(max_length=16)]  # prefill | decode
-    transfer_id: Id
-    decode_addr: Id = ""  # prefill only: the decode engine's transfer listener, host:port
-    decode_instance: Id = ""  # prefill only: the decode instance the router saw (restart detection)
 
 
 # ---- messages (prefill <-> decode, over one transport connection) --------------------------------

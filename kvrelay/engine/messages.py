@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
-from kvrelay.disagg.protocol import PDParams
+_Id = Annotated[str, msgspec.Meta(max_length=256)]  # as disagg/protocol.py's Id
+
+
+class PDParams(msgspec.Struct, frozen=True):
+    """What the router tells each side about one request (the API process passes it on in
+    AddRequest; the engine's transfer agents act on it)."""
+
+    role: Annotated[str, msgspec.Meta(max_length=16)]  # prefill | decode
+    transfer_id: _Id
+    decode_addr: _Id = ""  # prefill only: the decode engine's transfer listener, host:port
+    decode_instance: _Id = ""  # prefill only: the decode instance the router saw (restarts)
 
 
 class SamplingParams(msgspec.Struct, frozen=True):

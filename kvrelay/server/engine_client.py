@@ -29,7 +29,6 @@ import zmq.asyncio
 
 from kvrelay.config import EngineConfig, env
 from kvrelay.disagg.handshake import SERVER_VERIFIER
-from kvrelay.disagg.protocol import PDParams
 from kvrelay.engine.messages import (
     AbortRequest,
     AddRequest,
@@ -37,6 +36,7 @@ from kvrelay.engine.messages import (
     EngineReady,
     EngineStats,
     FromEngine,
+    PDParams,
     RequestOutput,
     SamplingParams,
     SetStepProfile,

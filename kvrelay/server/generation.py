@@ -11,8 +11,14 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from kvrelay.disagg.protocol import PDParams, pd_status
-from kvrelay.engine.messages import PromptLogprob, RequestOutput, SamplingParams, TokenLogprob
+from kvrelay.disagg.protocol import pd_status
+from kvrelay.engine.messages import (
+    PDParams,
+    PromptLogprob,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
 from kvrelay.server.engine_client import EngineClient
 from kvrelay.server.errors import APIError
 from kvrelay.server.tokenizer import IncrementalDetokenizer

@@ -8,9 +8,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from kvrelay.config import CacheConfig, DisaggConfig, EngineConfig, SchedulerConfig
-from kvrelay.disagg.protocol import PDParams
 from kvrelay.engine.engine import Engine
-from kvrelay.engine.messages import AddRequest, SamplingParams
+from kvrelay.engine.messages import AddRequest, PDParams, SamplingParams
 from kvrelay.weights.loader import resolve
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)

@@ -19,9 +19,9 @@ from engine_pair import dense_engine as _engine
 from fake_peer import FakePeer, authenticate_as_prefill
 
 from kvrelay.disagg import protocol as P
-from kvrelay.disagg.protocol import Cause, PDParams, TState
+from kvrelay.disagg.protocol import Cause, TState
 from kvrelay.engine.engine import Engine, generate
-from kvrelay.engine.messages import AddRequest
+from kvrelay.engine.messages import AddRequest, PDParams
 
 X_IDS = [(11 * j) % 900 + 40 for j in range(30)]  # one prefill chunk (budget 32)
 Y_IDS = [(5 * j + 3) % 900 + 20 for j in range(30)]  # the same rows, other KV
