@@ -56,8 +56,8 @@ if [ ! -f "$WHL/tokenizer-smollm2/tokenizer.json" ]; then
   KVRELAY_CACHE_DIR=off "$PY" - "$WHL/tokenizer-smollm2" <<'EOF'
 import sys
 
-from kvrelay.server.tokenizer import load_tokenizer
 from kvrelay.weights.loader import resolve
+from kvrelay.weights.tokenizer import load_tokenizer
 
 load_tokenizer(resolve("smollm2")).save_pretrained(sys.argv[1])
 EOF

@@ -385,7 +385,7 @@ def server():
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
-    from kvrelay.server.tokenizer import load_tokenizer
     from kvrelay.weights.loader import resolve
+    from kvrelay.weights.tokenizer import load_tokenizer
 
     return load_tokenizer(resolve("smollm2"))

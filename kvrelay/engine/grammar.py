@@ -54,8 +54,8 @@ class GrammarBackend:
             import llguidance
             import llguidance.hf
 
-            # The same HF tokenizer the API process loads (server/tokenizer.py).
-            from kvrelay.server.tokenizer import load_tokenizer
+            # The same HF tokenizer the API process loads (weights/tokenizer.py).
+            from kvrelay.weights.tokenizer import load_tokenizer
 
             t0 = time.perf_counter()
             hf = load_tokenizer(self.src)

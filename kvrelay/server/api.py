@@ -54,9 +54,9 @@ from kvrelay.server.schemas import (
 )
 from kvrelay.server.sglang_api import GenerateRequest
 from kvrelay.server.telemetry import StepTelemetry
-from kvrelay.server.tokenizer import load_tokenizer
 from kvrelay.server.validation import parse_json, validate
 from kvrelay.weights.loader import resolve
+from kvrelay.weights.tokenizer import load_tokenizer
 
 log = logging.getLogger("kvrelay.api")
 

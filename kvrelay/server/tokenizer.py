@@ -1,21 +1,7 @@
-"""The model's tokenizer and chat template, and an incremental detokenizer."""
+"""The chat template applied with the model's tokenizer (loaded by weights/tokenizer.py), and an
+incremental detokenizer."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-from kvrelay.server.tokenizer_cache import gguf_tokenizer
-
-if TYPE_CHECKING:  # the loader imports torch: a router (through sglang_api) needs none of it
-    from kvrelay.weights.loader import ModelSource
-
-
-def load_tokenizer(src: ModelSource):
-    from transformers import AutoTokenizer
-
-    if src.tokenizer_gguf:
-        return gguf_tokenizer(src.tokenizer_dir, src.tokenizer_gguf)
-    return AutoTokenizer.from_pretrained(src.tokenizer_dir)
 
 
 def apply_chat_template(

@@ -3,8 +3,8 @@ renders the chat template exactly as the fresh conversion does."""
 
 from __future__ import annotations
 
-from kvrelay.server.tokenizer_cache import gguf_tokenizer
 from kvrelay.weights.loader import resolve
+from kvrelay.weights.tokenizer_cache import gguf_tokenizer
 
 TEXTS = [
     "What is the capital of France?",
@@ -45,7 +45,7 @@ def test_cached_tokenizer_equals_the_fresh_conversion(tmp_path, monkeypatch):
 
 
 def test_a_changed_model_file_is_a_new_entry_and_off_writes_nothing(tmp_path, monkeypatch):
-    from kvrelay.server import tokenizer_cache
+    from kvrelay.weights import tokenizer_cache
 
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF one")

@@ -46,8 +46,8 @@ def tokenizer():
     if (AGENT / "tokenizer.json").is_file():
         hf = AutoTokenizer.from_pretrained(str(AGENT))
     else:
-        from kvrelay.server.tokenizer import load_tokenizer
         from kvrelay.weights.loader import resolve
+        from kvrelay.weights.tokenizer import load_tokenizer
 
         hf = load_tokenizer(resolve("smollm2"))
     return hf, llguidance.hf.from_tokenizer(hf, n_vocab=len(hf))
