@@ -1,7 +1,8 @@
 """Prompt logprobs through the PD router: prefill runs the prompt, so it scores it (the engine's
 prompt logprobs, in the prefill's own forward) and answers them in its HTTP reply; decode
-never runs the prompt and answers without them (server/api.py `_scored_elsewhere`). The router
-puts prefill's prompt part into decode's answer, which then equals one server's:
+never runs the prompt and answers without them (server/request_building.py
+`scored_elsewhere`). The router puts prefill's prompt part into decode's answer, which then
+equals one server's:
 
 - completions `echo` with `logprobs`: the first `prompt_tokens` entries of prefill's
   `choices[0].logprobs` lead decode's (whose offsets already start after the echoed prompt);

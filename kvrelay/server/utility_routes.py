@@ -68,7 +68,7 @@ def liveness(state) -> PlainTextResponse:
 
 
 def register(app: FastAPI, state) -> None:
-    """The routes, on `state` (api.ServerState: tokenizer, chat format, model name)."""
+    """The routes, on `state` (state.ServerState: tokenizer, chat format, model name)."""
 
     def check_model(model: str | None) -> None:
         if model is not None and model != state.model_name:
