@@ -41,7 +41,7 @@ COMPONENTS = (
     ("moe", ("_gate_up_kernel", "_down_kernel", "_group_kernel")),
     ("attention", ("_sparse_split_kernel", "_sparse_combine_kernel", "_score_kernel",
                    "_select_kernel", "_pool_windows_kernel")),
-    ("mhc", ("_hc_gates_kernel",)),
+    ("mhc", ("_hc_mix_kernel", "_hc_finish_kernel")),  # finish includes the norm after it
     ("norms", ("_rms_norm_wide_kernel",)),
     ("gemm", ("nvjet", "gemm", "gemv", "splitKreduce", "dot_kernel", "cutlass")),
 )  # fmt: skip

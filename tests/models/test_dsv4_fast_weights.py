@@ -1,7 +1,8 @@
 """The fast path's weight layouts on the CPU: `--linear-weights fp8` (the swapped DeepSeek-V4
 projections hold e4m3 weights, the model still decodes close to the bf16 one, a dense model
 refuses the option) and fused projections (one GEMM for q_a + K = V and for the shared expert's
-gate + up: the same logits, the same names, and later weight loads reach the fused GEMM)."""
+gate + up: the same logits, the same names, and later weight loads reach the fused GEMM; one
+fp32 GEMM for the compressor, indexer and head-weight projections of the attention input)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from kvrelay.engine.runner import ModelRunner
 from kvrelay.kernels.triton_fp8_linear import fp8_linear_reference
 from kvrelay.models.deepseek_v4 import preset
 from kvrelay.models.deepseek_v4.fp8_linears import Fp8Linear, use_fp8_linears
-from kvrelay.models.deepseek_v4.fused_projections import fuse_projections
+from kvrelay.models.deepseek_v4.fused_projections import fuse_projections, project_wide
 from kvrelay.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from kvrelay.quant.fp8_block import dequantize_fp8_block, quantize_fp8_block, ue8m0_to_float
 from kvrelay.weights.loader import resolve
@@ -63,7 +64,9 @@ def test_fused_equals_separate_and_follows_loads():
     cfg, model, ids = _random_tiny()
     before = model(ids)
     names = sorted(model.state_dict())
-    assert fuse_projections(model) == 2 * cfg.num_hidden_layers
+    compressed = sum(layer.self_attn.compressor is not None for layer in model.model.layers)
+    assert compressed > 0
+    assert fuse_projections(model) == 2 * cfg.num_hidden_layers + compressed
     assert sorted(model.state_dict()) == names
     torch.testing.assert_close(model(ids), before, atol=1e-5, rtol=1e-5)
 
@@ -88,3 +91,27 @@ def test_dsv4_fast_path_refuses_tensor_parallelism():
     )  # fmt: skip
     with pytest.raises(ValueError, match="Triton kernels and CUDA graphs are single-rank"):
         ModelRunner(cfg, resolve("dsv4-tiny", "dummy"))
+
+
+def test_wide_projections_in_one_gemm_equal_separate_ones_and_follow_loads():
+    """The fused fp32 GEMM of a CSA layer's five wide projections gives each projection's
+    output (fp32 dot products over the same terms: equal to rounding) and is made again after
+    an in-place load into one of its weights."""
+    cfg, model, _ = _random_tiny()
+    model = model.to(torch.bfloat16)
+    fuse_projections(model)
+    attn = next(
+        layer.self_attn for layer in model.model.layers if layer.self_attn.indexer is not None
+    )
+    lins = attn.wide_linears()
+    assert len(lins) == 5
+    x = torch.randn(7, cfg.hidden_size).to(torch.bfloat16)
+    for _ in range(2):
+        separate = project_wide(x, None, *lins)
+        fused = project_wide(x, attn.fused_wide, *lins)
+        for a, b in zip(fused, separate, strict=True):
+            assert a.dtype == torch.float32
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        with torch.no_grad():  # a load into the indexer's gate weight, in place
+            w = lins[3].weight
+            w.copy_(torch.randn_like(w))

@@ -64,6 +64,7 @@ class Attention(nn.Module):
         )
         self.o_b_proj = nn.Linear(c.o_groups * c.o_lora_rank, h, bias=False, dtype=dtype)
         self.fused_in: torch.Tensor | None = None  # q_a and kv rows in one (fused_projections)
+        self.fused_wide = None  # the wide projections of the input in one (WideRows)
         self.sinks = nn.Parameter(torch.zeros(self.n_heads, dtype=wide_dtype(dtype)))
         # Tensor parallel (weights/dsv4_tp.py): this rank's heads and output groups; the KV
         # head, compressors and q_a stay whole, o_b_proj's output is a partial sum.
@@ -86,6 +87,13 @@ class Attention(nn.Module):
     @property
     def indexer(self) -> Indexer | None:
         return getattr(self.compressor, "indexer", None)
+
+    def wide_linears(self) -> list[nn.Linear]:
+        """The projections of the input the reference runs in fp32: the compressor's K/V and
+        gate, then the indexer's and its head weights (CSA)."""
+        c, ix = self.compressor, self.indexer
+        extra = [] if ix is None else [ix.kv_proj, ix.gate_proj, ix.scorer.weights_proj]
+        return [] if c is None else [c.kv_proj, c.gate_proj, *extra]
 
     def empty_state(self, device: torch.device | str = "cpu") -> LayerState:
         # the model dtype (an FP8 projection remembers the one it replaced)

@@ -13,6 +13,7 @@ from kvrelay.layers.step_profile import StepProfiler
 from kvrelay.models.deepseek_v4.batch_meta import BatchMeta, StepIndex
 from kvrelay.models.deepseek_v4.fusion import fused_glue
 from kvrelay.models.deepseek_v4.layer import LayerKernels
+from kvrelay.models.deepseek_v4.mhc import HyperConnection
 from kvrelay.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from kvrelay.models.deepseek_v4.pooled_attention import AttentionOps, pooled_attention
 
@@ -37,11 +38,20 @@ def forward_batched(
     with fused_glue(kernels is not None):  # the Triton path compiles the glue between kernels
         x = m.embed_tokens(input_ids)
         streams = x[:, None, :].expand(-1, m.config.hc_mult, -1).contiguous()
+        fused_hc = kernels is not None and kernels.hc_pre is not None and x.dtype != torch.float64
+        pending = None
         for i, layer in enumerate(m.layers):
 
             def attend(xn: torch.Tensor, i: int = i, layer=layer) -> torch.Tensor:
                 return pooled_attention(layer.self_attn, xn, i, meta, index, pool, ops)
 
-            streams = layer.run(streams, input_ids, attend, profile, kernels)
+            if fused_hc:
+                streams, pending = layer.run_fused(
+                    streams, pending, input_ids, attend, profile, kernels
+                )
+            else:
+                streams = layer.run(streams, input_ids, attend, profile, kernels)
+        if pending is not None:
+            streams = HyperConnection.merge(pending[0], streams, pending[1], pending[2])
         hidden = m.norm(m.hc_head(streams[sample_rows]))
         return model.compute_logits(hidden) if head else hidden

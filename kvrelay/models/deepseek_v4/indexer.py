@@ -78,18 +78,24 @@ class Indexer(Compressor):
         return score.masked_fill(~visible, float("-inf"))
 
     def query(
-        self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        head_w: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(index queries [n, h, d], rotated and rounded like the keys; head weights [n, h]
-        wide, with the d^-1/2 h^-1/2 scale folded in)."""
+        wide, with the d^-1/2 h^-1/2 scale folded in). `head_w`: the weights_proj projection
+        of x if computed already (wide, unscaled: the fused wide GEMM)."""
         h, d = self.n_heads, self.dim
         q = apply_rope(self.q_b_proj(qr).view(-1, h, d), cos, sin)
         if self.quant == QUANT_FP4:
             q = hadamard_fp4(q)
-        xw = wide(x)
+        if head_w is None:
+            head_w = F.linear(wide(x), wide_weight(self.scorer.weights_proj.weight))
         scale = d**-0.5 * self.all_heads**-0.5  # every head of the model, not of this rank
-        w = F.linear(xw, wide_weight(self.scorer.weights_proj.weight)) * scale
-        return q, w
+        return q, head_w * scale
 
     def select(
         self,

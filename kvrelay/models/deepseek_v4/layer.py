@@ -16,14 +16,18 @@ from kvrelay.models.deepseek_v4.moe import MoE
 from kvrelay.models.deepseek_v4.norms import RMSNorm
 from kvrelay.models.deepseek_v4.state import LayerState
 
+# a sub-layer's merge not yet applied to the streams: (out [T, D], post [T, n], comb [T, n, n])
+Pending = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
 
 @dataclass(frozen=True)
 class LayerKernels:
     """Fused replacements for torch ops of a block (None: the torch reference):
-    experts(x, weights, idx, experts) -> routed output; hc_gates: see HyperConnection."""
+    experts(x, weights, idx, experts) -> routed output; hc_pre: a hyper-connection's pre side
+    with the merge before it and the norm after it (`HyperConnection.pre_fused`, `run_fused`)."""
 
     experts: Callable | None = None
-    hc_gates: Callable | None = None
+    hc_pre: Callable | None = None
 
 
 class DecoderLayer(nn.Module):
@@ -73,13 +77,38 @@ class DecoderLayer(nn.Module):
         `profile` (a profiled engine step) times attention and MoE; `kernels` replace torch ops
         with fused kernels (the fast path)."""
         k = kernels or LayerKernels()
-        h, post, comb = self.attn_hc(streams, k.hc_gates)
+        h, post, comb = self.attn_hc(streams)
         h = self.input_layernorm(h)
         with timed(profile, ATTENTION):
             h = attend(h)
         streams = HyperConnection.merge(h, streams, post, comb)
-        h, post, comb = self.ffn_hc(streams, k.hc_gates)
+        h, post, comb = self.ffn_hc(streams)
         h = self.post_attention_layernorm(h)
         with timed(profile, MOE):
             out = self.mlp(h, input_ids, k.experts)
         return HyperConnection.merge(out, streams, post, comb)
+
+    def run_fused(
+        self,
+        streams: torch.Tensor,
+        pending: Pending | None,
+        input_ids: torch.Tensor,
+        attend: Callable[[torch.Tensor], torch.Tensor],
+        profile: StepProfiler | None,
+        kernels: LayerKernels,
+    ) -> tuple[torch.Tensor, Pending]:
+        """`run` with `kernels.hc_pre`: each sub-layer's merge is left pending and done by the
+        next sub-layer's pre kernel (the next block's, across blocks), so the mHC of a sub-layer
+        is two launches. `pending` (out, post, comb) applies to `streams`; returns the streams
+        and this block's pending FFN merge (`HyperConnection.merge(out, streams, post, comb)`
+        finishes the last block)."""
+        pre = kernels.hc_pre
+        streams, h, post, comb = self.attn_hc.pre_fused(pre, streams, pending, self.input_layernorm)
+        with timed(profile, ATTENTION):
+            h = attend(h)
+        streams, h, post, comb = self.ffn_hc.pre_fused(
+            pre, streams, (h, post, comb), self.post_attention_layernorm
+        )
+        with timed(profile, MOE):
+            out = self.mlp(h, input_ids, kernels.experts)
+        return streams, (out, post, comb)

@@ -69,19 +69,27 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=wdt))
         self.scale = nn.Parameter(torch.ones(3, dtype=wdt))
 
-    def forward(
-        self, streams: torch.Tensor, gates_fn: Callable | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [T, n, D] -> (sub-layer input [T, D], post [T, n], comb [T, n, n]).
-        `gates_fn(mix, scale, base, n, iters, eps)` replaces `gates` (the fused kernel)."""
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [T, n, D] -> (sub-layer input [T, D], post [T, n], comb [T, n, n])."""
         mix = _stream_mix(streams, self.fn, self.norm_eps)
-        if gates_fn is not None and mix.dtype == torch.float32:
-            pre, post, comb = gates_fn(
-                mix, self.scale, self.base, self.hc_mult, self.iters, self.hc_eps
-            )
-        else:
-            pre, post, comb = self.gates(mix)
+        pre, post, comb = self.gates(mix)
         return collapse(pre, streams), post, comb
+
+    def pre_fused(
+        self,
+        kernel: Callable,
+        streams: torch.Tensor,
+        pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        norm: nn.Module,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fast path's pre side in one call of `kernel` (kernels.triton_mhc.hc_pre): merge
+        `pending` (out, post, comb of the sub-layer before; None for the first) into the
+        streams, then `forward` and the sub-layer's `norm` (an RMSNorm) of its input ->
+        (streams, normed input, post, comb)."""
+        return kernel(
+            streams, pending, self.fn, self.scale, self.base, self.iters, self.hc_eps,
+            self.norm_eps, norm.weight, norm.eps,
+        )  # fmt: skip
 
     def gates(self, mix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The stream-mix projection [T, (2+n)*n] -> pre [T, n], post [T, n], comb [T, n, n]."""

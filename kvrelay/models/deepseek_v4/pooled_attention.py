@@ -17,6 +17,7 @@ import torch
 from kvrelay.kernels.indexer_reference import indexer_scores_reference, select_reference
 from kvrelay.models.deepseek_v4.attention import Attention
 from kvrelay.models.deepseek_v4.batch_meta import BatchMeta, StepIndex
+from kvrelay.models.deepseek_v4.fused_projections import project_wide
 from kvrelay.models.deepseek_v4.fusion import fusable
 from kvrelay.models.deepseek_v4.pooled_compressor import (
     PoolWindows,
@@ -64,34 +65,39 @@ def pooled_attention(
         def store_entries(rows: torch.Tensor, e: torch.Tensor) -> None:
             entries.index_copy_(0, rows, e.to(entries.dtype))
 
-        _compress(comp, x, meta, index, pool.comp_slots[layer], store_entries, ops)
+        wide_in = project_wide(x, attn.fused_wide, *attn.wide_linears())
+        _compress(comp, x, wide_in[:2], meta, index, pool.comp_slots[layer], store_entries, ops)
         if attn.indexer is not None:
             _compress(
-                attn.indexer, x, meta, index, pool.index_slots[layer],
+                attn.indexer, x, wide_in[2:4], meta, index, pool.index_slots[layer],
                 lambda rows, e: pool.store_index_k(layer, rows, e), ops,
             )  # fmt: skip
-            cmp_idx = _select(attn, x, qr, cos, sin, meta, index, pool, layer, ops)
+            cmp_idx = _select(attn, x, qr, wide_in[4], cos, sin, meta, index, pool, layer, ops)
         else:  # HCA: every complete window is visible
             cmp_idx = index.all_entries_idx(r)
         o = ops.sparse_mqa(q, swa, win_idx, entries, cmp_idx, attn.sinks, hd**-0.5)
     return attn.output(o, cos, sin)
 
 
-def _compress(comp, x, meta: BatchMeta, index: StepIndex, slots, store, ops) -> None:
+def _compress(comp, x, kv_gate, meta: BatchMeta, index: StepIndex, slots, store, ops) -> None:
+    """`kv_gate`: the compressor's two wide projections of x (this step's rows)."""
     plan = index.compress_plan(comp.ratio)
     cos_sin = index.rope(comp.rope, x.dtype, plan.window_start)
     page_prev = (slots.page_prev_kv, slots.page_prev_score) if slots.overlap else None
     compress_step(
-        comp, x, meta, plan, cos_sin, slots.pending_kv, slots.pending_score, slots.prev_kv,
-        slots.prev_score, store, ops.pool_windows, page_prev,
+        comp, *kv_gate, meta, plan, cos_sin, slots.pending_kv, slots.pending_score,
+        slots.prev_kv, slots.prev_score, store, ops.pool_windows, page_prev,
     )  # fmt: skip
 
 
-def _select(attn, x, qr, cos, sin, meta, index: StepIndex, pool, layer: int, ops) -> torch.Tensor:
-    """[T, K] pool rows of the indexer's top-k entries (-1 where fewer are visible)."""
+def _select(
+    attn, x, qr, head_w, cos, sin, meta, index: StepIndex, pool, layer: int, ops
+) -> torch.Tensor:
+    """[T, K] pool rows of the indexer's top-k entries (-1 where fewer are visible); `head_w`:
+    the indexer's head-weight projection of x (wide, unscaled)."""
     ix = attn.indexer
     r = ix.ratio
-    q, w = ix.query(x, qr, cos, sin)
+    q, w = ix.query(x, qr, cos, sin, head_w)
     keys, scale = pool.index_k_rows(layer)
     rows = index.entry_rows(r)
     if ix.tp.is_parallel:  # partial scores of this rank's heads, summed before the top-k

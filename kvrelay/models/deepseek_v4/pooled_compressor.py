@@ -15,11 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from kvrelay.models.deepseek_v4.batch_meta import BatchMeta, Closers, CompressPlan
 from kvrelay.models.deepseek_v4.compressor import Compressor
-from kvrelay.models.deepseek_v4.precision import wide, wide_weight
 
 
 def pool_windows_reference(
@@ -89,7 +87,8 @@ PoolWindows = Callable[..., tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor
 
 def compress_step(
     comp: Compressor,
-    x: torch.Tensor,
+    kv: torch.Tensor,
+    gate: torch.Tensor,
     meta: BatchMeta,
     plan: CompressPlan,
     cos_sin: tuple[torch.Tensor, torch.Tensor],
@@ -101,15 +100,14 @@ def compress_step(
     pool_windows: PoolWindows = pool_windows_reference,
     page_prev: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """x: [T, hidden] normed inputs. Slot tensors: [slots, r, coff*d] (prev: [slots, r, d]).
+    """kv, gate: [T, coff*d] the compressor's wide projections of the step's normed inputs
+    (`Attention.wide_linears`). Slot tensors: [slots, r, coff*d] (prev: [slots, r, d]).
     `plan`: the step's rows for this ratio (`StepIndex.compress_plan`); `cos_sin`: the rotation
     at each closing window's first position; `store(rows, entries)` writes entries;
     `pool_windows`: the reference above or its Triton kernel; `page_prev`: the per-page prev
     state (kv, score) [pages, r, d] of overlapping compressors."""
     r, d = comp.ratio, comp.dim
-    xw = wide(x)
-    kv = F.linear(xw, wide_weight(comp.kv_proj.weight))
-    score = F.linear(xw, wide_weight(comp.gate_proj.weight)) + comp.position_bias[plan.bias_rows]
+    score = gate + comp.position_bias[plan.bias_rows]
     cl = meta.closers[r]
     pooled, first_half = pool_windows(
         kv, score, pending_kv, pending_score, prev_kv, prev_score, meta, cl, r, d

@@ -1,0 +1,33 @@
+#!/bin/bash
+# This session's GPU work beyond the quick check, one device call per part (carry .whl):
+#   PART=check   scripts/gpu_check.sh (quick tier + headline tables), then the batch-1/64 step
+#                profile (launches and kernel time by component), then llama-1b decode at an
+#                older commit (OLD, default 2907d6a) and here back to back (is a step change
+#                the code or the machine?)                                                 ~8 min
+#   PART=served  scripts/gpu_served_latency.sh (--max-decode-slowdown off vs on)          ~6 min
+#   run(command="PART=check bash scripts/gpu_session.sh", carry=[".whl"], timeout_s=600)
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+case "${PART:-check}" in
+check)
+  BUDGET_S=${BUDGET_S:-330} SKIP=${SKIP:-served} bash scripts/gpu_check.sh
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+  timeout -s INT -k 10 120 python3 benchmarks/dsv4_profile.py --batches 1,64 --steps 3 \
+    --out "$OUT/dsv4_profile.json" 2>&1 | tail -40
+  old=${OLD:-2907d6a}
+  if git worktree add -f /tmp/old "$old" >/dev/null 2>&1; then
+    for where in /tmp/old "$PWD"; do
+      echo "== llama-1b decode at $(git -C "$where" rev-parse --short HEAD)"
+      (cd "$where" && PYTHONPATH=/tmp/site:$where timeout -s INT -k 10 60 python3 \
+        benchmarks/decode_throughput.py --batch-sizes 1,64 --steps 30 --skip-hf \
+        --out "$OUT/decode_$(basename "$where").json" 2>&1 | grep -E "^ +(1|64) True|copy bandwidth")
+    done
+  else
+    echo "no worktree of $old (no git objects here?)"
+  fi
+  ;;
+served)
+  bash scripts/gpu_served_latency.sh
+  ;;
+esac
