@@ -1,7 +1,8 @@
 #!/bin/bash
 # This session's GPU work beyond the quick check, one device call per part (carry .whl):
 #   PART=check   scripts/gpu_check.sh (quick tier + headline tables), then the batch-1/64 step
-#                profile (launches and kernel time by component), then llama-1b decode at an
+#                profile (launches and kernel time by component), the aten ops that launch
+#                kernels by source line (benchmarks/dsv4_launch_sources.py), then llama-1b decode at an
 #                older commit (OLD, default 2907d6a) and here back to back (is a step change
 #                the code or the machine?)                                                 ~8 min
 #   PART=served  scripts/gpu_served_latency.sh (--max-decode-slowdown off vs on)          ~6 min
@@ -11,10 +12,14 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 case "${PART:-check}" in
 check)
-  BUDGET_S=${BUDGET_S:-330} SKIP=${SKIP:-served} bash scripts/gpu_check.sh
+  BUDGET_S=${BUDGET_S:-300} SKIP=${SKIP:-served} bash scripts/gpu_check.sh
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
   timeout -s INT -k 10 120 python3 benchmarks/dsv4_profile.py --batches 1,64 --steps 3 \
     --out "$OUT/dsv4_profile.json" 2>&1 | tail -40
+  echo "== aten launch sources, batch 1"
+  timeout -s INT -k 10 90 python3 benchmarks/dsv4_launch_sources.py --batch 1 --top 60 \
+    > "$OUT/launch_sources.txt" 2>&1
+  head -30 "$OUT/launch_sources.txt"
   old=${OLD:-2907d6a}
   if git worktree add -f /tmp/old "$old" >/dev/null 2>&1; then
     for where in /tmp/old "$PWD"; do
