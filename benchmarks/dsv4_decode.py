@@ -36,6 +36,8 @@ from kvrelay.engine.scheduler import ScheduledRequest
 from kvrelay.models.deepseek_v4.config import CSA, HCA
 from kvrelay.weights.loader import resolve
 
+PREFILL_CHUNK = 8192  # tokens per prefill step (dsv4_profile and dsv4_launch_sources too)
+
 
 def sync(device: str) -> None:
     if device == "cuda":
@@ -84,7 +86,8 @@ def make_engine(a: argparse.Namespace, backend: str) -> Engine:
         max_model_len=max(a.contexts) + 64,
         cache=CacheConfig(memory_fraction=0.9),
         scheduler=SchedulerConfig(
-            max_num_batched_tokens=a.prefill_chunk, max_running_requests=max(a.batches) + 1
+            max_num_batched_tokens=getattr(a, "prefill_chunk", PREFILL_CHUNK),
+            max_running_requests=max(a.batches) + 1,
         ),
     )
     return Engine(cfg, src)
@@ -176,7 +179,9 @@ def main() -> None:
     p.add_argument("--reference-batches", default="1,8")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--prefill", default="4096", help="prompt lengths, e.g. 4096,32768")
-    p.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill step")
+    p.add_argument(
+        "--prefill-chunk", type=int, default=PREFILL_CHUNK, help="tokens per prefill step"
+    )
     p.add_argument("--linear-weights", default="auto", choices=["auto", "fp8"])
     p.add_argument("--out", default=None)
     a = p.parse_args()

@@ -1,10 +1,10 @@
 #!/bin/bash
 # This session's GPU work beyond the quick check, one device call per part (carry .whl):
 #   PART=check   scripts/gpu_check.sh (quick tier + headline tables), then the batch-1/64 step
-#                profile (launches and kernel time by component), the aten ops that launch
-#                kernels by source line (benchmarks/dsv4_launch_sources.py), then llama-1b decode at an
-#                older commit (OLD, default 2907d6a) and here back to back (is a step change
-#                the code or the machine?)                                                 ~8 min
+#                profile (launches and kernel time by component) and the aten ops that launch
+#                kernels by source line (benchmarks/dsv4_launch_sources.py)              ~6 min
+#   PART=compare llama-1b decode at an older commit (OLD, default 2907d6a) and here, back to
+#                back (is a step change the code or the machine?)                        ~1 min
 #   PART=served  scripts/gpu_served_latency.sh (--max-decode-slowdown off vs on)          ~6 min
 #   run(command="PART=check bash scripts/gpu_session.sh", carry=[".whl"], timeout_s=600)
 cd "$(dirname "$0")/.."
@@ -20,6 +20,9 @@ check)
   timeout -s INT -k 10 90 python3 benchmarks/dsv4_launch_sources.py --batch 1 --top 60 \
     > "$OUT/launch_sources.txt" 2>&1
   head -30 "$OUT/launch_sources.txt"
+  ;;
+compare)
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
   old=${OLD:-2907d6a}
   if git worktree add -f /tmp/old "$old" >/dev/null 2>&1; then
     for where in /tmp/old "$PWD"; do

@@ -3,12 +3,15 @@ random inputs: merge_streams of the sub-layer before, HyperConnection.forward (s
 with Sinkhorn, collapse) and the sub-layer's RMSNorm. Quick tier: 1 and 300 tokens at a small
 and at DeepSeek-V4's hidden size; gpu_full: the others.
 
+And the gates kernel of long prefill chunks (`hc_gates`) against HyperConnection.gates.
+
 Tolerances: post and comb are fp32 functions of the mix, whose dot products the kernel adds in
 another order (fixed slices of the hidden dim): a few fp32 ulps, kept through 20 Sinkhorn
-iterations of normalisations that are well conditioned (entries >= eps) -> rtol 1e-4. Outputs in
-bf16 are rounded from fp32 values a few ulps apart, so a value next to a rounding boundary
-may land one bf16 ulp (2^-8 to 2^-7 of the value) away: the merged streams at most 1 ulp, the
-normed input (rounded twice: the collapse, then the norm) 2, each on a small share of values.
+iterations of normalisations that are well conditioned (entries >= eps) -> rtol 1e-4 (1e-3
+when the mix reads merged bf16 streams, which may differ by an ulp). Outputs in bf16 are
+rounded from fp32 values a few ulps apart, so a value next to a rounding boundary may land an
+ulp away, and the normed input is rounded twice (the collapse, then the norm): see
+`_assert_close`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import pytest
 import torch
 from conftest import tiered
 
-from kvrelay.kernels.triton_mhc import hc_pre
+from kvrelay.kernels.triton_mhc import hc_gates, hc_pre
 from kvrelay.models.deepseek_v4.mhc import HyperConnection, merge_streams
 from kvrelay.models.deepseek_v4.norms import RMSNorm
 
@@ -54,16 +57,17 @@ def _reference(hc, norm, streams, pending):
     return streams, norm(h), post, comb
 
 
-def _assert_within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: int) -> None:
-    """fp32: a few ulps; bf16: at most `ulps` bf16 ulps each (one is <= 2^-7 of the value), on
-    a small share of the values."""
+def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32: a few ulps. bf16: within 2 bf16 ulps (one is <= 2^-7 of the value) of each value or
+    of its row's RMS (a sum of bf16 terms that nearly cancel leaves a small value whose own
+    ulp says nothing of the terms' rounding), and equal bits for nearly all values."""
     assert got.shape == want.shape and got.dtype == want.dtype
     if got.dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         return
     g, w = got.float(), want.float()
-    ulp = w.abs().clamp(min=2**-126) * 2**-7
-    assert ((g - w).abs() <= ulps * ulp).all(), (g - w).abs().max()
+    rms = w.square().mean(-1, keepdim=True).sqrt()
+    assert ((g - w).abs() <= 2 * 2**-7 * torch.maximum(w.abs(), rms)).all(), (g - w).abs().max()
     assert (g != w).float().mean() < 0.05
 
 
@@ -79,12 +83,13 @@ def test_pre_equals_the_torch_path(t: int, d: int, dtype: torch.dtype, merge: bo
         with torch.no_grad():
             want = _reference(hc, norm, streams, pending)
             got = hc.pre_fused(hc_pre, streams, pending, norm)
-        _assert_within_ulps(got[0], want[0], 1)  # the merged streams
-        # the normed input: h's own rounding (1 ulp) carried through the norm, then y's
-        _assert_within_ulps(got[1], want[1], 2)
-        for g, w in zip(got[2:], want[2:], strict=True):  # post, comb
+        _assert_close(got[0], want[0])  # the merged streams
+        _assert_close(got[1], want[1])  # the normed sub-layer input
+        # post, comb: from the mix, whose inputs (merged bf16 streams) may differ by an ulp
+        rtol = 1e-3 if merge and dtype == torch.bfloat16 else 1e-4
+        for g, w in zip(got[2:], want[2:], strict=True):
             assert g.shape == w.shape
-            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(g, w, rtol=rtol, atol=1e-6)
 
 
 def test_a_row_alone_equals_the_row_in_a_batch() -> None:
@@ -100,3 +105,18 @@ def test_a_row_alone_equals_the_row_in_a_batch() -> None:
             )
             for a, b in zip(alone, batch, strict=True):
                 assert torch.equal(a[0], b[row])
+
+
+@tiered("t", [1, 7, 33, 300], quick=[1, 300])
+def test_gates_equal_the_torch_reference(t: int) -> None:
+    hc = HyperConnection(4, 64, 20, 1e-6, 1e-6).to(DEV)
+    for _ in range(2):  # fresh draws each time
+        with torch.no_grad():
+            hc.base.normal_()
+            hc.scale.uniform_(0.5, 2.0)
+        mix = torch.randn(t, 24, device=DEV) * 3
+        want = hc.gates(mix)
+        got = hc_gates(mix, hc.scale, hc.base, 4, 20, 1e-6)
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape
+            assert torch.allclose(g, w, rtol=1e-5, atol=1e-6), (g - w).abs().max()

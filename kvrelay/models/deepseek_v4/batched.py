@@ -38,7 +38,12 @@ def forward_batched(
     with fused_glue(kernels is not None):  # the Triton path compiles the glue between kernels
         x = m.embed_tokens(input_ids)
         streams = x[:, None, :].expand(-1, m.config.hc_mult, -1).contiguous()
-        fused_hc = kernels is not None and kernels.hc_pre is not None and x.dtype != torch.float64
+        fused_hc = (
+            kernels is not None
+            and kernels.hc_pre is not None
+            and x.dtype != torch.float64
+            and x.shape[0] <= kernels.hc_pre_max_tokens
+        )
         pending = None
         for i, layer in enumerate(m.layers):
 

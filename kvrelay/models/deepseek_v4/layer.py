@@ -23,11 +23,14 @@ Pending = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 @dataclass(frozen=True)
 class LayerKernels:
     """Fused replacements for torch ops of a block (None: the torch reference):
-    experts(x, weights, idx, experts) -> routed output; hc_pre: a hyper-connection's pre side
-    with the merge before it and the norm after it (`HyperConnection.pre_fused`, `run_fused`)."""
+    experts(x, weights, idx, experts) -> routed output; hc_gates: see HyperConnection; hc_pre: a
+    hyper-connection's pre side with the merge before it and the norm after it
+    (`HyperConnection.pre_fused`, `run_fused`) for steps of at most `hc_pre_max_tokens`."""
 
     experts: Callable | None = None
+    hc_gates: Callable | None = None
     hc_pre: Callable | None = None
+    hc_pre_max_tokens: int = 0
 
 
 class DecoderLayer(nn.Module):
@@ -77,12 +80,12 @@ class DecoderLayer(nn.Module):
         `profile` (a profiled engine step) times attention and MoE; `kernels` replace torch ops
         with fused kernels (the fast path)."""
         k = kernels or LayerKernels()
-        h, post, comb = self.attn_hc(streams)
+        h, post, comb = self.attn_hc(streams, k.hc_gates)
         h = self.input_layernorm(h)
         with timed(profile, ATTENTION):
             h = attend(h)
         streams = HyperConnection.merge(h, streams, post, comb)
-        h, post, comb = self.ffn_hc(streams)
+        h, post, comb = self.ffn_hc(streams, k.hc_gates)
         h = self.post_attention_layernorm(h)
         with timed(profile, MOE):
             out = self.mlp(h, input_ids, k.experts)

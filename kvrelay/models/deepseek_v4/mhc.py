@@ -69,10 +69,18 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=wdt))
         self.scale = nn.Parameter(torch.ones(3, dtype=wdt))
 
-    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [T, n, D] -> (sub-layer input [T, D], post [T, n], comb [T, n, n])."""
+    def forward(
+        self, streams: torch.Tensor, gates_fn: Callable | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [T, n, D] -> (sub-layer input [T, D], post [T, n], comb [T, n, n]).
+        `gates_fn(mix, scale, base, n, iters, eps)` replaces `gates` (the fused kernel)."""
         mix = _stream_mix(streams, self.fn, self.norm_eps)
-        pre, post, comb = self.gates(mix)
+        if gates_fn is not None and mix.dtype == torch.float32:
+            pre, post, comb = gates_fn(
+                mix, self.scale, self.base, self.hc_mult, self.iters, self.hc_eps
+            )
+        else:
+            pre, post, comb = self.gates(mix)
         return collapse(pre, streams), post, comb
 
     def pre_fused(

@@ -193,10 +193,10 @@ def _pick_ops(
     if backend == "triton" or (backend == "auto" and device.type == "cuda"):
         from kvrelay.kernels.triton_compressor import pool_windows
         from kvrelay.kernels.triton_indexer import indexer_topk
-        from kvrelay.kernels.triton_mhc import hc_pre
+        from kvrelay.kernels.triton_mhc import PRE_MAX_TOKENS, hc_gates, hc_pre
         from kvrelay.kernels.triton_moe import fused_experts
         from kvrelay.kernels.triton_sparse_attention import sparse_mqa
 
         ops = AttentionOps(sparse_mqa, indexer_topk, pool_windows)
-        return ops, LayerKernels(fused_experts, hc_pre)
+        return ops, LayerKernels(fused_experts, hc_gates, hc_pre, PRE_MAX_TOKENS)
     return AttentionOps(sparse_mqa_reference, indexer_topk_reference), None
