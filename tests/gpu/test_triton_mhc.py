@@ -7,8 +7,9 @@ And the gates kernel of long prefill chunks (`hc_gates`) against HyperConnection
 
 Tolerances: post and comb are fp32 functions of the mix, whose dot products the kernel adds in
 another order (fixed slices of the hidden dim): a few fp32 ulps, kept through 20 Sinkhorn
-iterations of normalisations that are well conditioned (entries >= eps) -> rtol 1e-4 (1e-3
-when the mix reads merged bf16 streams, which may differ by an ulp). Outputs in bf16 are
+iterations of normalisations that are well conditioned (entries >= eps) -> rtol 1e-4 (1e-3,
+and 1e-4 absolute on values in [0, 2], when the mix reads merged bf16 streams, which may
+differ by an ulp: measured 1e-5 at most at 300 tokens). Outputs in bf16 are
 rounded from fp32 values a few ulps apart, so a value next to a rounding boundary may land an
 ulp away, and the normed input is rounded twice (the collapse, then the norm): see
 `_assert_close`.
@@ -86,10 +87,10 @@ def test_pre_equals_the_torch_path(t: int, d: int, dtype: torch.dtype, merge: bo
         _assert_close(got[0], want[0])  # the merged streams
         _assert_close(got[1], want[1])  # the normed sub-layer input
         # post, comb: from the mix, whose inputs (merged bf16 streams) may differ by an ulp
-        rtol = 1e-3 if merge and dtype == torch.bfloat16 else 1e-4
+        tol = (1e-3, 1e-4) if merge and dtype == torch.bfloat16 else (1e-4, 1e-6)
         for g, w in zip(got[2:], want[2:], strict=True):
             assert g.shape == w.shape
-            torch.testing.assert_close(g, w, rtol=rtol, atol=1e-6)
+            torch.testing.assert_close(g, w, rtol=tol[0], atol=tol[1])
 
 
 def test_a_row_alone_equals_the_row_in_a_batch() -> None:
