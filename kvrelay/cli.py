@@ -10,12 +10,14 @@ from kvrelay.bench.cli import add_bench_parser
 from kvrelay.bench.repro import add_repro_parser
 from kvrelay.config import (
     INDEX_K_DTYPES,
+    SPECULATIVE_ALGORITHMS,
     CacheConfig,
     DisaggConfig,
     EngineConfig,
     RouterConfig,
     SchedulerConfig,
     ServerConfig,
+    SpeculativeConfig,
     env,
     env_help,
 )
@@ -171,6 +173,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "R x a decode-only step (both measured from recent steps; at least one page per step): "
         "decode keeps its pace, prefills take more steps. 0: off, the step budget alone",
     )
+    add_speculative_args(p)
     g.add_argument(
         "--test-fault-swap-token",
         default=None,
@@ -274,6 +277,41 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=x.test_delay_transfer_s,
         metavar="SECONDS",
         help="TEST ONLY (prefill): send every KV piece and first token SECONDS late",
+    )
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    sp = SpeculativeConfig()
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument(
+        "--speculative-algorithm",
+        default=sp.algorithm,
+        choices=SPECULATIVE_ALGORITHMS,
+        help="ngram: each decoding request drafts the tokens that followed the latest earlier "
+        "occurrence of its context's last tokens (prompt lookup) and the model verifies them in "
+        "one step (greedy output unchanged token for token; sampling keeps its distribution); "
+        "dense models only, so far; mtp: not supported yet; none: off",
+    )
+    g.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=sp.num_draft_tokens,
+        metavar="K",
+        help="drafted tokens per request per step at most (they count against the step budget)",
+    )
+    g.add_argument(
+        "--speculative-ngram-min",
+        type=int,
+        default=sp.ngram_min,
+        metavar="N",
+        help="ngram: the shortest context suffix looked up",
+    )
+    g.add_argument(
+        "--speculative-ngram-max",
+        type=int,
+        default=sp.ngram_max,
+        metavar="N",
+        help="ngram: the longest context suffix looked up (the longest match wins)",
     )
 
 
@@ -385,6 +423,12 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
             test_corrupt_p=a.test_corrupt_transfer,
             test_delay_transfer_s=a.test_delay_transfer,
             pd_secret=pd_secret(a),
+        ),
+        speculative=SpeculativeConfig(
+            algorithm=a.speculative_algorithm,
+            num_draft_tokens=a.speculative_num_draft_tokens,
+            ngram_min=a.speculative_ngram_min,
+            ngram_max=a.speculative_ngram_max,
         ),
     )
 

@@ -71,6 +71,21 @@ class SchedulerConfig:
     max_decode_slowdown: float = 0.0
 
 
+SPECULATIVE_ALGORITHMS = ("none", "ngram", "mtp")  # mtp: DeepSeek-V4's own layers (not yet)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/drafter.py): drafts verified by the target in one step."""
+
+    algorithm: str = "none"  # none | ngram (prompt lookup) | mtp (refused: not supported yet)
+    num_draft_tokens: int = 4  # drafts per request per step at most
+    # n-gram window sizes: the longest suffix of the context (max down to min tokens) that
+    # occurred earlier proposes what followed it.
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+
 @dataclass(frozen=True)
 class DisaggConfig:
     """Prefill-decode disaggregation (used when role is prefill or decode)."""
@@ -133,6 +148,7 @@ class EngineConfig:
     # their experts' ranks and back, then all-gathered ("all-to-all": deepseek_v4/ep_dispatch.py).
     ep_dispatch: str = "all-reduce"
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 @dataclass(frozen=True)

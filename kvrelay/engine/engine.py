@@ -12,13 +12,15 @@ import torch
 from kvrelay.cache.host_tier import HostTier, build_host_tier
 from kvrelay.config import EngineConfig
 from kvrelay.engine import grammar as grammar_mod
+from kvrelay.engine.drafter import make_drafter
 from kvrelay.engine.grammar import GrammarBackend, GrammarError
 from kvrelay.engine.messages import AddRequest, EngineStats, RequestOutput, StepOutputs
 from kvrelay.engine.request import Request
 from kvrelay.engine.runner import make_runner
 from kvrelay.engine.sampler import sample
-from kvrelay.engine.scheduler import Scheduler
+from kvrelay.engine.scheduler import ScheduledRequest, Scheduler
 from kvrelay.engine.step_budget import PrefillBudget
+from kvrelay.engine.verify import Emitted, sample_verify
 from kvrelay.layers.step_profile import COMMUNICATION, StepProfiler, timed
 from kvrelay.models import registry
 from kvrelay.weights.loader import ModelSource, resolve
@@ -40,11 +42,16 @@ class Engine:
             if sc.max_decode_slowdown
             else None
         )
+        self.drafter = make_drafter(cfg.speculative, r.max_model_len, cfg.role)
         self.scheduler = Scheduler(
             sc, r.num_pages, r.page_size, r.num_state_slots,
             self.prefix_cache == "on", self.host_tier, self.prefill_budget,
+            self.drafter.propose if self.drafter is not None else None,
         )  # fmt: skip
-        log.info("prefix_cache=%s host_tier=%s role=%s", self.prefix_cache, host, cfg.role)
+        log.info(
+            "prefix_cache=%s host_tier=%s role=%s speculative=%s", self.prefix_cache, host,
+            cfg.role, self._speculative_choice(),
+        )  # fmt: skip
         self.eos_ids = set(self.src.config.eos_token_ids)
         self.eos_tuple = tuple(sorted(self.eos_ids))  # the sampler's min_tokens mask
         self.grammar = GrammarBackend(
@@ -81,6 +88,36 @@ class Engine:
             # last shared page on rank 0 only; the other ranks' slots would miss it.
             return "off (per-request state with tensor parallel)"
         return "on"
+
+    def _speculative_choice(self) -> str:
+        sp = self.cfg.speculative
+        if self.drafter is None:
+            return "off" if sp.algorithm == "none" else f"off ({self.cfg.role} role)"
+        return f"{sp.algorithm} k={sp.num_draft_tokens} n={sp.ngram_min}..{sp.ngram_max}"
+
+    def _sample(self, logits: torch.Tensor, chosen: list[ScheduledRequest]) -> list[Emitted]:
+        """Each sampling request's tokens of this step: one, or with drafts the accepted ones
+        and the bonus (or correction) token (verify.py)."""
+        reqs = [s.req for s in chosen]
+        if not any(s.draft for s in chosen):
+            result = sample(
+                logits,
+                [r.params for r in reqs],
+                [r.output_ids for r in reqs],
+                [r.generator for r in reqs],
+                self.grammar.bitmask(reqs),  # None when no request is constrained
+                self.cfg.deterministic,
+                self.eos_tuple,
+            )
+            return [
+                Emitted([t], [lp], [top], 0)
+                for t, lp, top in zip(
+                    result.token_ids, result.logprobs, result.top_logprobs, strict=True
+                )
+            ]
+        rows = [s.req for s in chosen for _ in range(len(s.draft) + 1)]
+        bitmask = self.grammar.bitmask(rows)  # a constrained request never drafts: one row
+        return sample_verify(logits, chosen, bitmask, self.cfg.deterministic, self.eos_tuple)
 
     def _host_tier_choice(self) -> tuple[HostTier | None, str]:
         """The prefix cache's host tier, or None; and what was decided."""
@@ -203,6 +240,7 @@ class Engine:
             num_prefill=num_prefill,
             components=components,
             failed_steps=self.failed_steps,
+            spec_decode=None if self.drafter is None else self.drafter.stats.as_dict(),
             prefix_cache=None
             if prefix is None
             else {
@@ -229,7 +267,7 @@ class Engine:
         if not batch:
             return StepOutputs(outputs, self.stats())
         # Prefill: a chunk of several tokens, or the first token of a request (step telemetry).
-        num_prefill = sum(1 for s in batch if s.num_new_tokens > 1 or not s.req.output_ids)
+        num_prefill = sum(1 for s in batch if _known(s) > 1 or not s.req.output_ids)
         every, self._batch_steps = self.profile_every, self._batch_steps + 1
         profile = self.profiler if every > 0 and self._batch_steps % every == 0 else None
         try:
@@ -242,16 +280,9 @@ class Engine:
             if self.host_tier is not None:  # the gate: host-tier copies land before any read
                 self.host_tier.gate.wait()
             step = self.runner.forward_step(batch, profile)
-            sampling = [s.req for s in batch if s.samples]
-            result = sample(
-                step.logits,
-                [r.params for r in sampling],
-                [r.output_ids for r in sampling],
-                [r.generator for r in sampling],
-                self.grammar.bitmask(sampling),  # None when no request is constrained
-                self.cfg.deterministic,
-                self.eos_tuple,
-            )
+            chosen = [s for s in batch if s.samples]
+            sampling = [s.req for s in chosen]
+            emitted = self._sample(step.logits, chosen)
         except Exception as e:  # a broken batch fails its requests, never the engine
             self.failed_steps += 1  # /health turns 503 when they keep failing (a sticky error)
             log.exception(
@@ -286,44 +317,65 @@ class Engine:
                     )
                 )
                 continue
-            tok = result.token_ids[i]
-            if fault and self._rng.random() < self.cfg.fault_swap_token_p:
+            self._commit(chosen[i], emitted[i], prompt_lp, fault, profile, outputs)
+        self.last_step_ms = (time.perf_counter() - t0) * 1e3
+        num_tokens = sum(s.num_new_tokens for s in batch)
+        split = None if profile is None else profile.finish(self.last_step_ms)
+        stats = self.stats(len(batch), num_tokens, num_prefill, split)
+        if self.prefill_budget is not None:
+            # Decode rows: one per decoding request, and its drafts (verified rows).
+            decoding = sum(s.num_new_tokens for s in batch if _known(s) == 1 and s.req.output_ids)
+            self.prefill_budget.observe(decoding, num_tokens - decoding, self.last_step_ms)
+            stats.prefill_cap = self.prefill_budget.last_cap
+        return StepOutputs(outputs, stats)
+
+    def _commit(
+        self, s: ScheduledRequest, em: Emitted, prompt_lp, fault: bool, profile,
+        outputs: list[RequestOutput],
+    ) -> None:  # fmt: skip
+        """Append a sampling request's tokens of this step, one output each (as plain decoding
+        sends them: the API process applies stop strings token by token, so nothing past a stop
+        is emitted, counted or scored); a stop or the length inside an accepted span ends it."""
+        req = s.req
+        if s.draft and self.drafter is not None:
+            self.drafter.stats.record(len(s.draft), em.accepted)
+        for j, tok in enumerate(em.tokens):
+            last = j == len(em.tokens) - 1
+            # (only a span's last token: the KV of those before it is computed already)
+            if fault and last and self._rng.random() < self.cfg.fault_swap_token_p:
                 tok = (tok + 1) % self.src.config.vocab_size
+            lp, top = em.logprobs[j], em.top_logprobs[j]
             out = RequestOutput(
                 req.rid,
                 [tok],
-                logprobs=None if result.logprobs[i] is None else [result.logprobs[i]],
-                top_logprobs=None if result.top_logprobs[i] is None else [result.top_logprobs[i]],
+                logprobs=None if lp is None else [lp],
+                top_logprobs=None if top is None else [top],
                 num_prompt_tokens=len(req.prompt_ids),
-                prompt_logprobs=prompt_lp,
+                prompt_logprobs=prompt_lp if j == 0 else None,
                 num_cached_tokens=req.num_cached_tokens,
             )
             if self.agent is not None and self.agent.role == "prefill":
                 with timed(profile, COMMUNICATION):
                     shipped = self.agent.on_sampled(req, out)
                 if shipped:
-                    continue  # sent to decode with the prompt's KV; decode continues from here
+                    return  # sent to decode with the prompt's KV; decode continues from here
             req.output_ids.append(tok)
             reason = self.stop_reason(req, tok)
             if req.matcher is not None:
                 verdict = grammar_mod.advance(req, tok)
                 if verdict == "error":
                     self._fail(req, "error", f"grammar: {req.matcher.get_error()}")
-                    continue
+                    return
                 reason = reason or verdict  # a complete grammar ends the output
             out.finish_reason = reason
+            if s.draft and (last or reason is not None):
+                # Before finishing: the prefix cache takes only computed, accepted KV.
+                self.scheduler.settle_verified(req)
             if reason is not None:
                 self.scheduler.finish(req, reason)
             outputs.append(out)
-        self.last_step_ms = (time.perf_counter() - t0) * 1e3
-        num_tokens = sum(s.num_new_tokens for s in batch)
-        split = None if profile is None else profile.finish(self.last_step_ms)
-        stats = self.stats(len(batch), num_tokens, num_prefill, split)
-        if self.prefill_budget is not None:
-            decoding = sum(1 for s in batch if s.num_new_tokens == 1 and s.req.output_ids)
-            self.prefill_budget.observe(decoding, num_tokens - decoding, self.last_step_ms)
-            stats.prefill_cap = self.prefill_budget.last_cap
-        return StepOutputs(outputs, stats)
+            if reason is not None:
+                return
 
     def _fault_active(self, batch_size: int) -> bool:
         return self.cfg.fault_swap_token_p > 0 and batch_size > self.cfg.fault_swap_token_min_batch
@@ -346,6 +398,11 @@ class Engine:
         device pages (tests: an idle engine then holds no page at all)."""
         prefix = self.scheduler.prefix
         return 0 if prefix is None else prefix.flush()
+
+
+def _known(s: ScheduledRequest) -> int:
+    """The step's tokens of a scheduled request that are not drafts."""
+    return s.num_new_tokens - len(s.draft)
 
 
 def generate(

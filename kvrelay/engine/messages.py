@@ -115,6 +115,9 @@ class EngineStats(msgspec.Struct):
     # evicted_pages; and cached_pages, the pages it holds now. With a host tier also
     # host_offloaded_pages, host_loaded_pages, host_evicted_pages totals and host_pages now.
     prefix_cache: dict[str, int] | None = None
+    # Speculative decoding totals since start (None: off): num_drafts (requests' verify steps),
+    # num_draft_tokens, num_accepted_tokens, accepted_pos_I (the draft at position I accepted).
+    spec_decode: dict[str, int] | None = None
 
 
 class StepOutputs(msgspec.Struct, tag=True):

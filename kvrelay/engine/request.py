@@ -46,6 +46,7 @@ class Request:
         self.finish_reason: str | None = None
         self.matcher = None  # llguidance LLMatcher of a grammar-constrained request (grammar.py)
         self.grammar_consumed = 0  # output tokens the matcher has consumed
+        self.draft_index = None  # speculative decoding: its n-gram index (engine/drafter.py)
         # Prompt logprobs so far (params.prompt_logprobs): entry p scores prompt token p + 1.
         self.prompt_lp: list[PromptLogprob] = []
 

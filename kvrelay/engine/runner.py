@@ -15,7 +15,7 @@ import torch
 from kvrelay.cache.paging import pages_for
 from kvrelay.cache.spec import CacheKind, CacheSpec, cache_kinds
 from kvrelay.config import EngineConfig
-from kvrelay.engine import prompt_logprobs, tp_gather, tp_install, tp_step
+from kvrelay.engine import drafter, prompt_logprobs, tp_gather, tp_install, tp_step
 from kvrelay.engine.prompt_logprobs import PromptRows, StepLogits
 from kvrelay.engine.scheduler import ScheduledRequest
 from kvrelay.layers import batch_invariant
@@ -62,6 +62,7 @@ class ModelRunner:
         fam = registry.family(src.config.architecture)
         family_cls = fam.load("runnable")
         family_cls.check(cfg, src.config, self.device)  # before any weight is read
+        drafter.check_supported(cfg.speculative, fam.name, family_cls)
         batch_invariant.check_supported(cfg, self.device)  # refuses what it cannot make invariant
         # Tensor parallel: torch.distributed is already initialised by whoever started the rank.
         self.tp = TPGroup.from_default(cfg.tensor_parallel_size)

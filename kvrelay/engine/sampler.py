@@ -112,6 +112,77 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return probs / probs.sum(dim=1, keepdim=True)
 
 
+def filter_probs(
+    logits: torch.Tensor, params: list[SamplingParams], deterministic: bool = False
+) -> torch.Tensor:
+    """The distribution each row samples from (temperature, top-k, top-p, min-p); with
+    `deterministic`, one row per call (batch-invariant reductions)."""
+    if deterministic:
+        return torch.cat([_filter(logits[i : i + 1], [p]) for i, p in enumerate(params)])
+    return _filter(logits, params)
+
+
+def constrain(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    outputs: list[list[int]],
+    bitmask: torch.Tensor | None = None,
+    eos_ids: tuple[int, ...] = (),
+) -> torch.Tensor:
+    """A copy of the logits with penalties, the grammar's mask and min_tokens applied: what the
+    rows choose from."""
+    logits = logits.clone()
+    _apply_penalties(logits, params, outputs)
+    if bitmask is not None:
+        apply_token_bitmask(logits, bitmask)
+    if any(p.min_tokens > len(out) for p, out in zip(params, outputs, strict=True)):
+        apply_min_tokens(logits, params, outputs, eos_ids)
+    return logits
+
+
+def race(
+    logits: torch.Tensor,
+    chosen: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+    rows: list[int],
+    deterministic: bool = False,
+) -> None:
+    """Rows `rows` (temperature > 0) draw their token into `chosen`, in place."""
+    if not rows:
+        return
+    sub = filter_probs(logits[rows], [params[i] for i in rows], deterministic)
+    for j, i in enumerate(rows):
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
+        e = torch.empty_like(sub[j]).exponential_(generator=generators[i])
+        chosen[i] = (sub[j] / e).argmax()
+
+
+def score(
+    raw: torch.Tensor, params: list[SamplingParams], chosen: torch.Tensor, deterministic: bool
+) -> tuple[list[float | None], list[list[TokenLogprob] | None]]:
+    """The chosen tokens' logprobs and the top alternatives, for the rows that ask (the
+    model's own distribution: log-softmax of the raw logits)."""
+    logprobs: list[float | None] = [None] * len(params)
+    tops: list[list[TokenLogprob] | None] = [None] * len(params)
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not want:
+        return logprobs, tops
+    if deterministic:
+        lp = torch.cat([torch.log_softmax(raw[i : i + 1], dim=1) for i in want])
+    else:
+        lp = torch.log_softmax(raw[want], dim=1)
+    k = min(max(params[i].logprobs for i in want), lp.shape[1])
+    top_v, top_i = lp.topk(k, dim=1) if k > 0 else (lp[:, :0], lp[:, :0].long())
+    chosen_lp = lp.gather(1, chosen[want][:, None]).squeeze(1).tolist()
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    for j, i in enumerate(want):
+        logprobs[i] = chosen_lp[j]
+        n = params[i].logprobs
+        tops[i] = [TokenLogprob(t, v) for t, v in zip(top_i[j][:n], top_v[j][:n], strict=True)]
+    return logprobs, tops
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -127,39 +198,10 @@ def sample(
     `deterministic`: the vocabulary reductions (softmax, sums, log-softmax) run one row per
     call, so they see [1, V] whatever the batch (batch-invariant mode). `eos_ids`: the model's
     EOS tokens, masked with stop_token_ids for outputs shorter than their min_tokens."""
-    raw = logits
-    logits = logits.clone()
-    _apply_penalties(logits, params, outputs)
-    if bitmask is not None:
-        apply_token_bitmask(logits, bitmask)
-    if any(p.min_tokens > len(out) for p, out in zip(params, outputs, strict=True)):
-        apply_min_tokens(logits, params, outputs, eos_ids)
-    chosen = logits.argmax(dim=1)
+    logits_c = constrain(logits, params, outputs, bitmask, eos_ids)
+    chosen = logits_c.argmax(dim=1)
     rows = [i for i, p in enumerate(params) if p.temperature > 0]
-    if rows:
-        if deterministic:
-            sub = torch.cat([_filter(logits[i : i + 1], [params[i]]) for i in rows])
-        else:
-            sub = _filter(logits[rows], [params[i] for i in rows])
-        for j, i in enumerate(rows):
-            # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
-            e = torch.empty_like(sub[j]).exponential_(generator=generators[i])
-            chosen[i] = (sub[j] / e).argmax()
+    race(logits_c, chosen, params, generators, rows, deterministic)
     token_ids = chosen.tolist()
-    logprobs: list[float | None] = [None] * len(params)
-    tops: list[list[TokenLogprob] | None] = [None] * len(params)
-    want = [i for i, p in enumerate(params) if p.logprobs is not None]
-    if want:
-        if deterministic:
-            lp = torch.cat([torch.log_softmax(raw[i : i + 1], dim=1) for i in want])
-        else:
-            lp = torch.log_softmax(raw[want], dim=1)
-        k = min(max(params[i].logprobs for i in want), lp.shape[1])
-        top_v, top_i = lp.topk(k, dim=1) if k > 0 else (lp[:, :0], lp[:, :0].long())
-        chosen_lp = lp.gather(1, chosen[want][:, None]).squeeze(1).tolist()
-        top_v, top_i = top_v.tolist(), top_i.tolist()
-        for j, i in enumerate(want):
-            logprobs[i] = chosen_lp[j]
-            n = params[i].logprobs
-            tops[i] = [TokenLogprob(t, v) for t, v in zip(top_i[j][:n], top_v[j][:n], strict=True)]
+    logprobs, tops = score(logits, params, chosen, deterministic)
     return SampleResult(token_ids, logprobs, tops)

@@ -21,12 +21,17 @@ e.g. conversations sharing a system prompt), and the rest of its full computed p
 recently used ones before the scheduler preempts or refuses anything (to host memory, with a
 host tier: a later match loads them back; radix.py, host_tier.py). The n samples of one prompt
 (a request `group`) wait until the first one's prompt is cached, then share it (siblings.py).
+
+With speculative decoding (a `drafter`, engine/drafter.py), a decoding request also schedules the
+tokens it drafts, within the step budget and the pages it holds or was promised; they count as
+computed only once verified (`settle_verified`), so a rejected draft's row is never cached.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from kvrelay.cache.block_pool import BlockPool, OutOfPages
 from kvrelay.cache.host_tier import HostTier
@@ -41,12 +46,14 @@ from kvrelay.engine.step_budget import PrefillBudget
 @dataclass
 class ScheduledRequest:
     req: Request
-    num_new_tokens: int
+    num_new_tokens: int  # drafts included
+    # Speculative decoding: tokens drafted after the known ones (their rows are verified)
+    draft: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the known tokens, so a new token is sampled."""
-        return self.req.num_computed + self.num_new_tokens == self.req.num_tokens
+        return self.req.num_computed + self.num_new_tokens == self.req.num_tokens + len(self.draft)
 
 
 @dataclass
@@ -69,9 +76,12 @@ class Scheduler:
         prefix_cache: bool = False,
         host_tier: HostTier | None = None,
         prefill_budget: PrefillBudget | None = None,
+        drafter: Callable[[Request, int], list[int]] | None = None,
     ) -> None:
         self.cfg, self.page_size = cfg, page_size
         self.prefill_budget = prefill_budget  # caps prefill tokens beside decoding requests
+        # Speculative decoding: (request, budget) -> the tokens it drafts this step (drafter.py)
+        self.drafter = drafter
         self.page_pool = BlockPool(num_pages, "page")
         # Per-request state slots (one per running request) for models that keep state outside
         # the pages; sized max_running_requests + 1, so admission never runs out.
@@ -367,9 +377,12 @@ class Scheduler:
         batch: list[ScheduledRequest] = []
         unfittable: list[Request] = []
         prefill_left = self._prefill_cap()
+        # Drafts take only what leaves one token for every decoding request after them.
+        decoders = sum(1 for r in self.running if r.num_uncomputed == 1)
         for req in sorted(self.running, key=lambda r: r.arrival):
             if req.status != Status.RUNNING or budget == 0:
                 continue
+            decoders -= req.num_uncomputed == 1
             n = min(req.num_uncomputed, budget)
             if n > 1:  # a prefill chunk: within what the decoding requests leave it
                 n = min(n, prefill_left)
@@ -385,8 +398,11 @@ class Scheduler:
                         unfittable.append(req)
                     break
             if req.status == Status.RUNNING:
-                batch.append(ScheduledRequest(req, n))
-                budget -= n
+                draft = []
+                if n == 1 and self.drafter is not None and budget - 1 > decoders:
+                    draft = self._draft(req, budget - 1 - decoders)
+                batch.append(ScheduledRequest(req, n + len(draft), draft))
+                budget -= n + len(draft)
                 if n > 1:
                     prefill_left -= n
         budget = self.cfg.max_num_batched_tokens - sum(s.num_new_tokens for s in batch)
@@ -429,6 +445,28 @@ class Scheduler:
             budget -= n
         return batch, unfittable
 
+    def _draft(self, req: Request, budget: int) -> list[int]:
+        """The drafts req verifies this step (it decodes; its next token's page is there), in
+        pages it holds or its own reservation still counts on: drafts never take pages that
+        another request was promised, and never preempt anyone (no room: fewer drafts)."""
+        draft = self.drafter(req, budget)
+        if not draft:
+            return draft
+        ps = self.page_size
+        room = (len(req.pages) + self._future_pages(req)) * ps - req.num_tokens
+        draft = draft[: max(room, 0)]
+        if draft and not self._grow(req, req.num_tokens + len(draft)):
+            return []
+        return draft
+
+    def settle_verified(self, req: Request) -> None:
+        """After a verify step committed req's accepted drafts and its bonus (or correction)
+        token: the KV of every committed token but the last is computed (the rejected drafts'
+        rows beyond are overwritten when their positions are computed again). Its pages stay
+        (later steps fill them); its prefix-cache insert reads num_computed, so a page holding
+        a rejected draft's row is never registered."""
+        req.num_computed = req.num_tokens - 1
+
     def _prefill_cap(self) -> int:
         """Prefill tokens this step may carry: the whole budget, or with a PrefillBudget what
         keeps the requests now decoding at their pace."""
@@ -445,7 +483,8 @@ class Scheduler:
         """The step's forward wrote its chunks: count them, cache the prompt pages completed."""
         for s in batch:
             req = s.req
-            req.num_computed += s.num_new_tokens
+            # Drafts count once verified (settle_verified): only the known tokens here.
+            req.num_computed += s.num_new_tokens - len(s.draft)
             self._cache_prompt(req, req.num_computed - s.num_new_tokens)
             if req.num_computed >= len(req.prompt_ids):
                 self._wake_siblings(req)

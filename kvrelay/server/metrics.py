@@ -73,6 +73,26 @@ class Metrics:
             "pages the prefix cache's host tier holds",
             registry=r,
         )
+        # Speculative decoding (vLLM's spec_decode names); mean accepted length per verify
+        # step = 1 + accepted / drafts.
+        self.spec_drafts = Counter(
+            "kvrelay_spec_decode_num_drafts",
+            "speculative decoding: request steps that verified drafts",
+            registry=r,
+        )
+        self.spec_draft_tokens = Counter(
+            "kvrelay_spec_decode_num_draft_tokens", "drafted tokens verified", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "kvrelay_spec_decode_num_accepted_tokens", "drafted tokens accepted", registry=r
+        )
+        self.spec_accepted_per_pos = Counter(
+            "kvrelay_spec_decode_num_accepted_tokens_per_pos",
+            "drafted tokens accepted, by their position in the draft (0: the first)",
+            ["position"],
+            registry=r,
+        )
+        self._spec_seen: dict[str, int] = {}
         self.requests = Counter(
             "kvrelay_requests", "finished requests by finish reason", ["finish_reason"], registry=r
         )
@@ -163,6 +183,16 @@ class Metrics:
             self.host_pages.set(p.get("host_pages", 0))
             self.prefix_hit_rate.set(p["hit_tokens"] / max(p["query_tokens"], 1))
             self.prefix_pages.set(p["cached_pages"])
+        for name, total in (s.spec_decode or {}).items():
+            if name.startswith("accepted_pos_"):
+                counter = self.spec_accepted_per_pos.labels(position=name[len("accepted_pos_") :])
+            else:
+                counter = {
+                    "num_drafts": self.spec_drafts,
+                    "num_draft_tokens": self.spec_draft_tokens,
+                    "num_accepted_tokens": self.spec_accepted_tokens,
+                }[name]
+            _add_new(counter, self._spec_seen, name, total)
         for side, phase, seconds in s.pd_timings or ():
             self.pd_seconds.labels(side=side, phase=phase).observe(seconds)
         if s.batch_size:

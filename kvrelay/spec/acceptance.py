@@ -37,7 +37,7 @@ def accept_sampled(
     for i, x in enumerate(draft):
         p = probs[i]
         q_x = 1.0 if draft_probs is None else float(draft_probs[i, x])
-        u = float(torch.rand((), generator=generator, dtype=torch.float64))
+        u = float(torch.rand((), generator=generator, dtype=torch.float64, device=generator.device))
         if u * q_x < float(p[x]):  # u < min(1, p(x) / q(x))
             out.append(x)
             continue

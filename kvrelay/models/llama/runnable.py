@@ -20,6 +20,10 @@ from kvrelay.models.llama.step import ForwardBatch, from_wire, prepare
 
 
 class DenseRunnable:
+    # Speculative decoding (engine/drafter.py): a request's state is its KV pages, so a rejected
+    # draft's rows are simply overwritten when their positions are computed again.
+    supports_speculation = True
+
     def __init__(
         self, cfg: EngineConfig, model_cfg: ModelConfig, model, device: torch.device,
         dtype: torch.dtype, tp: TPGroup,

@@ -74,14 +74,16 @@ def prepare(
     for b, s in enumerate(batch):
         r, start = s.req, s.req.num_computed
         end = start + s.num_new_tokens
-        ids += r.token_slice(start, end)
+        draft = getattr(s, "draft", ())  # speculative decoding: drafted tokens after the known
+        ids += r.token_slice(start, end - len(draft))
+        ids += draft
         pos += range(start, end)
         pages = r.pages
         slots += [pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
         seq_lens.append(end)
         cu.append(cu[-1] + s.num_new_tokens)
-        if s.samples:
-            sample_rows.append(cu[-1] - 1)
+        if s.samples:  # the last known token's row, and each draft's (verified)
+            sample_rows += range(cu[-1] - 1 - len(draft), cu[-1])
         table[b, : len(pages)] = pages
 
     def to_dev(x, dtype):

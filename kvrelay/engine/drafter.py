@@ -1,0 +1,101 @@
+"""Which drafts a decoding request verifies this step (`--speculative-algorithm ngram`), which
+model families and requests may speculate, and the acceptance counters /metrics shows.
+
+A request drafts only where verifying the drafts gives exactly what plain decoding would: it
+decodes (its prompt is computed and it has an output), it has no grammar (a constrained request
+decodes plainly: its matcher would have to verify every drafted row), and the drafts stay within
+its max_tokens and the context (the last emitted token is the bonus or correction, so at most
+`remaining - 1` drafts). Each request keeps its own n-gram index over prompt + output
+(spec/ngram.py), extended with the tokens committed since the last proposal.
+"""
+
+from __future__ import annotations
+
+from kvrelay.config import SpeculativeConfig
+from kvrelay.engine.request import Request
+from kvrelay.spec.ngram import NgramIndex
+
+
+def check_supported(spec: SpeculativeConfig, family_name: str, family_cls) -> None:
+    """Refuse (ValueError) a speculative configuration this engine cannot run exactly, before any
+    weight is read. A family speculates only where its runner says that a rejected draft leaves
+    no trace (`supports_speculation`): dense KV pages are simply overwritten later, while
+    DeepSeek-V4's compressor windows, sliding-window rows and indexer keys need a rollback."""
+    if spec.algorithm == "none":
+        return
+    if spec.algorithm == "mtp":
+        raise ValueError(
+            "--speculative-algorithm mtp is not supported yet (use ngram, dense models only)"
+        )
+    if spec.algorithm != "ngram":
+        raise ValueError(f"unknown --speculative-algorithm {spec.algorithm!r} (none | ngram)")
+    if not getattr(family_cls, "supports_speculation", False):
+        raise ValueError(
+            f"--speculative-algorithm ngram is not supported for {family_name} models yet "
+            "(their per-request state has no rollback of rejected drafts); serve without it"
+        )
+    if spec.num_draft_tokens < 1:
+        raise ValueError("--speculative-num-draft-tokens must be at least 1")
+    NgramIndex(spec.ngram_min, spec.ngram_max)  # raises on bad window sizes
+
+
+class SpecStats:
+    """Totals since start: verify steps with drafts, drafted and accepted tokens, and how often
+    the draft at each position was accepted (vLLM's names)."""
+
+    def __init__(self, k: int) -> None:
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * k
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+
+    def as_dict(self) -> dict[str, int]:
+        d = {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+        }
+        d.update({f"accepted_pos_{i}": n for i, n in enumerate(self.accepted_per_pos)})
+        return d
+
+
+class NgramDrafter:
+    def __init__(self, spec: SpeculativeConfig, max_model_len: int) -> None:
+        self.k = spec.num_draft_tokens
+        self.min_n, self.max_n = spec.ngram_min, spec.ngram_max
+        self.max_model_len = max_model_len
+        self.stats = SpecStats(self.k)
+
+    def propose(self, req: Request, budget: int) -> list[int]:
+        """Up to min(K, budget) drafts for req's next step; [] when it decodes plainly."""
+        if req.matcher is not None or not req.output_ids:
+            return []
+        # The bonus token is emitted too: drafts + 1 within max_tokens and the context.
+        room = min(
+            self.k,
+            budget,
+            req.remaining_max_tokens - 1,
+            self.max_model_len - 1 - req.num_tokens,
+        )
+        if room <= 0:
+            return []
+        index = req.draft_index
+        if index is None:
+            index = req.draft_index = NgramIndex(self.min_n, self.max_n)
+        n = len(index.tokens)
+        index.extend(req.token_slice(n, req.num_tokens))
+        return index.propose(room)
+
+
+def make_drafter(spec: SpeculativeConfig, max_model_len: int, role: str) -> NgramDrafter | None:
+    """The engine's drafter, or None (off; a PD prefill server makes one token per request)."""
+    if spec.algorithm == "none" or role == "prefill":
+        return None
+    return NgramDrafter(spec, max_model_len)
