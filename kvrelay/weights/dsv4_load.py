@@ -108,3 +108,22 @@ def _load_packed_experts(model: nn.Module, ckpt: Dsv4Checkpoint, own: dict) -> s
             own[name].copy_(t)
             filled.add(name)
     return filled
+
+
+def load_mtp_block(model: nn.Module, path: str) -> None:
+    """Copy an MTP block saved on its own (a safetensors file of exactly the model's
+    `model.mtp.*` tensors, e.g. one trained for a checkpoint that has none) into `model`.
+    Strict: a missing, unknown or misshapen tensor raises."""
+    from safetensors.torch import load_file
+
+    own = {k: v for k, v in model.state_dict().items() if k.startswith("model.mtp.")}
+    got = load_file(path)
+    if set(got) != set(own):
+        extra, missing = sorted(set(got) - set(own)), sorted(set(own) - set(got))
+        raise CheckpointError(f"{path}: not this model's MTP block (extra {extra[:4]}, "
+                              f"missing {missing[:4]})")  # fmt: skip
+    for name, t in got.items():
+        if t.shape != own[name].shape:
+            raise CheckpointError(f"{name}: shape {tuple(t.shape)} != {tuple(own[name].shape)}")
+        own[name].copy_(t)
+    log.info("MTP block loaded path=%s tensors=%d", path, len(got))
