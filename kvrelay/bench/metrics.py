@@ -265,6 +265,8 @@ def server_delta(before: Samples, after: Samples) -> dict:
         if v - prev:
             by_reason[key] = by_reason.get(key, 0.0) + v - prev
     steps, step_s = d("kvrelay_engine_step_seconds_count"), d("kvrelay_engine_step_seconds_sum")
+    drafts = d("kvrelay_spec_decode_num_drafts_total")
+    accepted = d("kvrelay_spec_decode_num_accepted_tokens_total")
     return {
         "requests": d("kvrelay_requests_total"),
         "requests_by_finish_reason": by_reason,
@@ -276,4 +278,11 @@ def server_delta(before: Samples, after: Samples) -> dict:
         "prefix_cache_evicted_pages": d("kvrelay_prefix_cache_evicted_pages_total"),
         "engine_steps": steps,
         "engine_step_mean_ms": step_s / steps * 1e3 if steps and step_s is not None else None,
+        # Speculative decoding: tokens a verify step emitted per request, on average (1 + the
+        # accepted drafts); None where the server does not speculate or verified nothing.
+        "spec_decode_draft_tokens": d("kvrelay_spec_decode_num_draft_tokens_total"),
+        "spec_decode_accepted_tokens": accepted,
+        "spec_decode_mean_accepted_length": 1 + accepted / drafts
+        if drafts and accepted is not None
+        else None,
     }

@@ -45,6 +45,11 @@ def table_rows(result: dict) -> tuple[list[str], list[list[str]]]:
     header = ["level", "ok", "fail", "req/s", "out tok/s"]
     header += [f"{name} {lo}/{hi} ms" for _, name in LATENCIES]
     header += (["goodput req/s"] if slo else []) + ["server tok", "counters"]
+    spec = any(
+        (lv.get("server") or {}).get("spec_decode_mean_accepted_length") for lv in result["levels"]
+    )
+    if spec:  # a speculating server: tokens per verify step (1 + accepted drafts), per level
+        header.append("accept len")
     rows = []
     for lv in result["levels"]:
         row = [
@@ -61,6 +66,9 @@ def table_rows(result: dict) -> tuple[list[str], list[list[str]]]:
         gen = server.get("generation_tokens")
         row.append("-" if gen is None else f"{gen:.0f}")
         row.append({True: "agree", False: "DIFFER", None: "-"}[lv.get("counters_agree")])
+        if spec:
+            length = server.get("spec_decode_mean_accepted_length")
+            row.append("-" if length is None else f"{length:.2f}")
         rows.append(row)
     return header, rows
 
