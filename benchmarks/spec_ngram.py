@@ -1,0 +1,111 @@
+"""N-gram speculative decoding in the offline engine: time per output token with and without
+`--speculative-algorithm ngram` at a few concurrencies, the mean accepted length, and how many
+requests give the plain greedy tokens exactly.
+
+Prompts repeat spans (a tool result quoted back, as agentic traffic does). With dummy weights
+the acceptance says nothing about real traffic (the model copies nothing; a looping output
+accepts nearly every draft): there the number that matters is the cost of a verify step (run
+eagerly on CUDA, while plain decode steps replay their graphs); give real weights (`--model
+PATH --load-format auto`) for acceptance. Checked on CPU (qwen3-tiny); not yet run on a GPU.
+
+    python benchmarks/spec_ngram.py [--model smollm2-135m --load-format dummy] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import platform
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from kvrelay.config import CacheConfig, EngineConfig, SpeculativeConfig
+from kvrelay.engine.engine import Engine, generate
+from kvrelay.engine.messages import SamplingParams
+
+
+def _parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--concurrency", default="1,8,64")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--draft-tokens", type=int, default=4)
+    p.add_argument("--out", default=None, help="JSON path (default: print only)")
+    return p.parse_args(argv)
+
+
+def _prompts(n: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(0)
+    out = []
+    for _ in range(n):
+        tool = [rng.randrange(100, vocab) for _ in range(96)]
+        out.append([rng.randrange(100, vocab) for _ in range(32)] + tool + tool[:48])
+    return out
+
+
+def _run(engine: Engine, prompts, params) -> tuple[list[list[int]], float, dict]:
+    """Tokens, seconds and the drafts counted (warm first: compiles, graphs' first replays)."""
+    generate(engine, prompts[:1], params)
+    stats = engine.drafter.stats.as_dict() if engine.drafter else {}
+    t0 = time.perf_counter()
+    outs = generate(engine, prompts, params)
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    after = engine.drafter.stats.as_dict() if engine.drafter else {}
+    counted = {k: after[k] - stats[k] for k in after}
+    return [[t for o in r for t in o.token_ids] for r in outs], seconds, counted
+
+
+def main(argv=None) -> None:
+    a = _parse(argv)
+    base = EngineConfig(
+        model=a.model, load_format=a.load_format, dtype=a.dtype, max_cuda_graph_batch=64,
+        cache=CacheConfig(max_total_tokens=64 * 1024),
+    )  # fmt: skip
+    spec_cfg = SpeculativeConfig(algorithm="ngram", num_draft_tokens=a.draft_tokens)
+    plain = Engine(base)
+    spec = Engine(dataclasses.replace(base, speculative=spec_cfg), plain.src)
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
+    rows = []
+    for c in [int(x) for x in a.concurrency.split(",")]:
+        prompts = _prompts(c, plain.src.config.vocab_size)
+        want, t_plain, _ = _run(plain, prompts, params)
+        got, t_spec, counted = _run(spec, prompts, params)
+        drafts, accepted = counted["num_drafts"], counted["num_accepted_tokens"]
+        row = {
+            "concurrency": c,
+            # ms per output token of one request (all run together to max_tokens)
+            "plain_tpot_ms": t_plain / a.max_tokens * 1e3,
+            "spec_tpot_ms": t_spec / a.max_tokens * 1e3,
+            "speedup": t_plain / t_spec,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else None,
+            "exact_requests": sum(w == g for w, g in zip(want, got, strict=True)),
+            "requests": c,
+        }
+        rows.append(row)
+        print(json.dumps(row))
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.machine(),
+        "torch": torch.__version__,
+        "model": a.model,
+        "load_format": a.load_format,
+        "dtype": str(plain.runner.dtype),
+        "max_tokens": a.max_tokens,
+        "draft_tokens": a.draft_tokens,
+        "rows": rows,
+    }
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
