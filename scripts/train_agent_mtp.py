@@ -99,7 +99,9 @@ def main() -> None:
     before, n_pos = agreement(model, held_out, 16)
     print(f"agreement before training: {before:.3f} over {n_pos} positions", flush=True)
     opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=a.lr, total_steps=a.steps, pct_start=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=a.lr, total_steps=a.steps, pct_start=0.1
+    )
     t0 = time.time()
     for step in range(a.steps):
         loss = 0.0
