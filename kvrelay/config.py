@@ -180,7 +180,7 @@ class RouterConfig:
     # Requests in flight at most; past it a 503 with Retry-After (connection pools are sized to it).
     max_concurrent_requests: int = 4096
     probe_interval_s: float = 1.0  # each server's /ready, this often, in the background
-    policy: str = "cache_aware"  # which pair a request goes to (disagg/router_policy.py)
+    policy: str = "cache_aware"  # which pair a request goes to (router/policy.py)
     api_key: str = field(default="", repr=False)  # asked of clients, and sent to the servers
     pd_secret: str = field(default="", repr=False)  # signs the PD fields of its requests
 
