@@ -11,13 +11,10 @@ from torch import nn
 from kvrelay.layers.step_profile import ATTENTION, MOE, StepProfiler, timed
 from kvrelay.models.deepseek_v4.attention import Attention
 from kvrelay.models.deepseek_v4.config import DeepseekV4Config
-from kvrelay.models.deepseek_v4.mhc import HyperConnection
+from kvrelay.models.deepseek_v4.mhc import HyperConnection, Pending
 from kvrelay.models.deepseek_v4.moe import MoE
 from kvrelay.models.deepseek_v4.norms import RMSNorm
 from kvrelay.models.deepseek_v4.state import LayerState
-
-# a sub-layer's merge not yet applied to the streams: (out [T, D], post [T, n], comb [T, n, n])
-Pending = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,9 @@ from torch import nn
 from kvrelay.models.deepseek_v4.fusion import fusable
 from kvrelay.models.deepseek_v4.precision import wide, wide_dtype
 
+# a sub-layer's merge not yet applied to the streams: (out [T, D], post [T, n], comb [T, n, n])
+Pending = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Near doubly-stochastic [..., n, n]: row softmax (+eps), then alternate column/row
@@ -87,7 +90,7 @@ class HyperConnection(nn.Module):
         self,
         kernel: Callable,
         streams: torch.Tensor,
-        pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        pending: Pending | None,
         norm: nn.Module,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The fast path's pre side in one call of `kernel` (kernels.triton_mhc.hc_pre): merge
