@@ -14,6 +14,8 @@ case "${PART:-check}" in
 check)
   BUDGET_S=${BUDGET_S:-300} SKIP=${SKIP:-served} bash scripts/gpu_check.sh
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+  echo "== mHC pre kernels alone (us per call, graphed)"
+  timeout -s INT -k 10 60 python3 benchmarks/hc_pre_kernels.py --out "$OUT/hc_pre_kernels.json" 2>&1 | tail -6
   timeout -s INT -k 10 120 python3 benchmarks/dsv4_profile.py --batches 1,64 --steps 3 \
     --out "$OUT/dsv4_profile.json" 2>&1 | tail -40
   echo "== aten launch sources, batch 1"

@@ -57,54 +57,94 @@ def _hc_mix_kernel(
     else:
         v = tl.load(x_ptr + (row + j[None, :]) * D + d[None, :], mask=m, other=0.0).to(tl.float32)
     r = tl.arange(0, RP)
+    # fn's rows as they lie in memory (each slice of a row contiguous, coalesced loads), [RP, N * BD]
     w = tl.load(
-        fn_ptr + r[None, :].to(tl.int64) * (N * D) + (j * D + d)[:, None],
-        mask=(r < R)[None, :] & (d < D)[:, None],
+        fn_ptr + r[:, None].to(tl.int64) * (N * D) + (j * D + d)[None, :],
+        mask=(r < R)[:, None] & (d < D)[None, :],
         other=0.0,
-    )  # [N * BD, RP]
-    acc = tl.dot(v, w, input_precision="ieee")  # [BT, RP]
+    )
+    acc = tl.dot(v, tl.trans(w), input_precision="ieee")  # [BT, RP]
     tm = t < T
     tl.store(part_ptr + (t[:, None] * n_slices + s) * RP + r[None, :], acc, mask=tm[:, None])
     tl.store(sq_ptr + t * n_slices + s, tl.sum(v * v, axis=1), mask=tm)
 
 
 @_jit
+def _norm4(a, b, c, d, eps):
+    """Four scalars over (their sum + eps): one row or column of the 4 x 4 Sinkhorn."""
+    z = a + b + c + d + eps
+    return a / z, b / z, c / z, d / z
+
+
+@_jit
+def _softmax4(a, b, c, d, eps):
+    """Softmax of four scalars, + eps: one row of the comb logits."""
+    m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+    a, b, c, d = tl.exp(a - m), tl.exp(b - m), tl.exp(c - m), tl.exp(d - m)
+    z = a + b + c + d
+    return a / z + eps, b / z + eps, c / z + eps, d / z + eps
+
+
+@_jit
 def _hc_finish_kernel(
-    part_ptr, sq_ptr, x_ptr, scale_ptr, base_ptr, norm_w_ptr, h_ptr, post_ptr, comb_ptr,
-    S, D, hc_eps, mix_eps, rms_eps,
-    N: tl.constexpr, ITERS: tl.constexpr, RP: tl.constexpr, SP: tl.constexpr,
-    BLOCK: tl.constexpr,
+    part_ptr, sq_ptr, gates_ptr, x_ptr, scale_ptr, base_ptr, norm_w_ptr, h_ptr, post_ptr,
+    comb_ptr, S, D, hc_eps, mix_eps, rms_eps,
+    ITERS: tl.constexpr, RP: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, SP)
     sm = s < S
-    prow = (t * S + s) * RP  # [SP]
+    r = tl.arange(0, RP)
     sq = tl.sum(tl.load(sq_ptr + t * S + s, mask=sm, other=0.0), axis=0)
-    rms = tl.rsqrt(sq / (N * D) + mix_eps)
-    j = tl.arange(0, N)
-    m2 = sm[:, None]
-    pre = tl.sum(tl.load(part_ptr + prow[:, None] + j[None, :], mask=m2, other=0.0), axis=0)
-    pre = tl.sigmoid(pre * rms * tl.load(scale_ptr) + tl.load(base_ptr + j)) + hc_eps
-    post = tl.sum(tl.load(part_ptr + prow[:, None] + N + j[None, :], mask=m2, other=0.0), axis=0)
-    post = 2 * tl.sigmoid(post * rms * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + j))
-    tl.store(post_ptr + t * N + j, post)
-    ab = j[:, None] * N + j[None, :]  # comb[a, b] = mix[2N + a * N + b]
-    c = tl.load(part_ptr + prow[:, None, None] + 2 * N + ab[None, :, :], mask=sm[:, None, None],
-                other=0.0)  # fmt: skip
-    c = tl.sum(c, axis=0) * rms * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + ab)
-    c = tl.exp(c - tl.max(c, axis=1)[:, None])
-    c = c / tl.sum(c, axis=1)[:, None] + hc_eps  # row softmax + eps
-    c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+    rms = tl.rsqrt(sq / (4 * D) + mix_eps)
+    part = tl.load(part_ptr + (t * S + s)[:, None] * RP + r[None, :], mask=sm[:, None], other=0.0)
+    grp = tl.where(r < 4, 0, tl.where(r < 8, 1, 2))  # pre | post | comb logits
+    rm = r < 24
+    g = tl.sum(part, axis=0) * rms * tl.load(scale_ptr + grp) + tl.load(base_ptr + r, mask=rm)
+    g = tl.where(grp == 0, tl.sigmoid(g) + hc_eps, tl.where(grp == 1, 2 * tl.sigmoid(g), g))
+    tl.store(post_ptr + t * 4 + r - 4, g, mask=grp == 1)
+    # The 4 x 4 Sinkhorn in scalars, which every thread computes alike: as tensors, each of its
+    # 40 row and column sums was a reduction across warps through shared memory.
+    tl.store(gates_ptr + t * RP + r, g, mask=rm)
+    tl.debug_barrier()  # the gates written above are read back as scalars below
+    row = gates_ptr + t * RP
+    c00, c01, c02, c03 = _softmax4(tl.load(row + 8), tl.load(row + 9), tl.load(row + 10),
+                                   tl.load(row + 11), hc_eps)  # fmt: skip
+    c10, c11, c12, c13 = _softmax4(tl.load(row + 12), tl.load(row + 13), tl.load(row + 14),
+                                   tl.load(row + 15), hc_eps)  # fmt: skip
+    c20, c21, c22, c23 = _softmax4(tl.load(row + 16), tl.load(row + 17), tl.load(row + 18),
+                                   tl.load(row + 19), hc_eps)  # fmt: skip
+    c30, c31, c32, c33 = _softmax4(tl.load(row + 20), tl.load(row + 21), tl.load(row + 22),
+                                   tl.load(row + 23), hc_eps)  # fmt: skip
+    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps)  # the first pass: columns only
+    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps)
+    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps)
+    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps)
     for _ in range(ITERS - 1):
-        c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
-        c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
-    tl.store(comb_ptr + t * N * N + ab, c)
+        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, hc_eps)
+        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, hc_eps)
+        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, hc_eps)
+        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, hc_eps)
+        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps)
+        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps)
+        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps)
+        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps)
+    ab = r - 8
+    comb = tl.where(ab == 0, c00, tl.where(ab == 1, c01, tl.where(ab == 2, c02, c03)))
+    comb = tl.where(ab == 4, c10, tl.where(ab == 5, c11, tl.where(ab == 6, c12, comb)))
+    comb = tl.where(ab == 7, c13, tl.where(ab == 8, c20, tl.where(ab == 9, c21, comb)))
+    comb = tl.where(ab == 10, c22, tl.where(ab == 11, c23, tl.where(ab == 12, c30, comb)))
+    comb = tl.where(ab == 13, c31, tl.where(ab == 14, c32, tl.where(ab == 15, c33, comb)))
+    tl.store(comb_ptr + t * 16 + ab, comb, mask=(ab >= 0) & (ab < 16))
     # collapse: h = sum_i pre_i X_i in the streams' dtype, then the sub-layer's RMSNorm
     cols = tl.arange(0, BLOCK)
     cm = cols < D
-    xs = tl.load(x_ptr + (t * N + j[:, None]) * D + cols[None, :], mask=cm[None, :], other=0.0)
-    h = tl.sum(pre[:, None] * xs.to(tl.float32), axis=0).to(h_ptr.dtype.element_ty)
-    h = h.to(tl.float32)
+    x = x_ptr + t * 4 * D + cols
+    h = tl.load(row) * tl.load(x, mask=cm, other=0.0).to(tl.float32)
+    h += tl.load(row + 1) * tl.load(x + D, mask=cm, other=0.0).to(tl.float32)
+    h += tl.load(row + 2) * tl.load(x + 2 * D, mask=cm, other=0.0).to(tl.float32)
+    h += tl.load(row + 3) * tl.load(x + 3 * D, mask=cm, other=0.0).to(tl.float32)
+    h = h.to(h_ptr.dtype.element_ty).to(tl.float32)
     y = h * tl.rsqrt(tl.sum(h * h, axis=0) / D + rms_eps)
     y = y * tl.load(norm_w_ptr + cols, mask=cm, other=0.0)
     tl.store(h_ptr + t * D + cols, y.to(h_ptr.dtype.element_ty), mask=cm)
@@ -129,6 +169,8 @@ def hc_pre(
     if streams.dtype == torch.float64:
         raise ValueError("hc_pre: float64 runs the torch reference")
     t, n, d = streams.shape
+    if n != 4:
+        raise ValueError(f"hc_pre: {n} streams (the kernel's Sinkhorn is written for 4)")
     streams = streams.contiguous()
     dev, f32 = streams.device, torch.float32
     new = torch.empty_like(streams) if pending is not None else streams
@@ -141,6 +183,7 @@ def hc_pre(
     rp, slices = max(16, triton.next_power_of_2(r)), triton.cdiv(d, BLOCK_D)  # tl.dot: N >= 16
     part = torch.empty(t, slices, rp, dtype=f32, device=dev)
     sq = torch.empty(t, slices, dtype=f32, device=dev)
+    gates = torch.empty(t, rp, dtype=f32, device=dev)  # pre | post | comb logits, per token
     out, p_post, p_comb = (
         (x.contiguous() for x in pending) if pending is not None else (streams, post, comb)
     )
@@ -150,9 +193,9 @@ def hc_pre(
     )  # fmt: skip
     block = triton.next_power_of_2(d)
     _hc_finish_kernel[(t,)](
-        part, sq, new, scale.float().contiguous(), base.float().contiguous(),
+        part, sq, gates, new, scale.float().contiguous(), base.float().contiguous(),
         norm_weight.float().contiguous(), h, post, comb, slices, d, hc_eps, mix_eps, rms_eps,
-        N=n, ITERS=iters, RP=rp, SP=triton.next_power_of_2(slices), BLOCK=block,
+        ITERS=iters, RP=rp, SP=triton.next_power_of_2(slices), BLOCK=block,
         num_warps=max(1, min(8, block // 256)),
     )  # fmt: skip
     return new, h, post, comb

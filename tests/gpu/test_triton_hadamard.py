@@ -1,5 +1,5 @@
 """The Hadamard + FP4 kernel (kernels/triton_hadamard.py) equals the eager torch reference
-(`qat.hadamard_fp4`) bit for bit, on fresh random inputs whose rows span twelve orders of
+(`qat.hadamard_fp4_eager`) bit for bit, on fresh random inputs whose rows span twelve orders of
 magnitude, plus rows of zeros, rows with one value far above the rest and values on FP4
 rounding ties: the indexer's top-k follows these codes, so "close" is not enough."""
 
@@ -10,7 +10,7 @@ import torch
 from conftest import tiered
 
 from kvrelay.kernels.triton_hadamard import hadamard_fp4
-from kvrelay.models.deepseek_v4.qat import hadamard_fp4 as reference
+from kvrelay.models.deepseek_v4.qat import hadamard_fp4_eager as reference
 
 pytestmark = pytest.mark.gpu
 

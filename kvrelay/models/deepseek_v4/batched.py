@@ -42,6 +42,7 @@ def forward_batched(
             kernels is not None
             and kernels.hc_pre is not None
             and x.dtype != torch.float64
+            and m.config.hc_mult == 4  # hc_pre's Sinkhorn is written for 4 streams
             and x.shape[0] <= kernels.hc_pre_max_tokens
         )
         pending = None

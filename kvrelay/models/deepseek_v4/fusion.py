@@ -47,6 +47,12 @@ def fusable(fn: F) -> F:
     return call  # type: ignore[return-value]
 
 
+def glue_active(x: torch.Tensor) -> bool:
+    """True where `@fusable` code would run compiled: `fused_glue()` active and x on a GPU (the
+    fast path, where a hand-written Triton kernel may stand in for eager code too)."""
+    return _ACTIVE.get() and x.is_cuda
+
+
 @contextlib.contextmanager
 def fused_glue(enabled: bool = True) -> Iterator[None]:
     """Within this block (this thread or task), `@fusable` functions on GPU inputs run compiled."""

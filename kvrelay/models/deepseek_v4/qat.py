@@ -12,7 +12,8 @@ import math
 
 import torch
 
-from kvrelay.models.deepseek_v4.fusion import fusable
+from kvrelay.kernels.triton_hadamard import hadamard_fp4 as hadamard_fp4_kernel
+from kvrelay.models.deepseek_v4.fusion import fusable, glue_active
 from kvrelay.models.deepseek_v4.precision import wide
 from kvrelay.models.deepseek_v4.rope import apply_rope
 
@@ -94,7 +95,15 @@ def rope_round_fp8(
 
 def hadamard_fp4(x: torch.Tensor) -> torch.Tensor:
     """Index keys and queries as the reference's FP4 index cache sees them: Hadamard-rotated,
-    then rounded to FP4 with a ue8m0 scale per 32. Eager even on the fast path: compiled, ~0.5%
-    of the codes of bf16 inputs came out one step off the eager rounding (cause not found yet),
-    and these codes decide the indexer's top-k."""
+    then rounded to FP4 with a ue8m0 scale per 32. On the fast path one Triton launch
+    (`kernels/triton_hadamard.py`, exact by construction) replaces the ~40 eager ones; not
+    torch.compile: compiled, ~0.5% of the codes of bf16 inputs came out one step off the eager
+    rounding, and these codes decide the indexer's top-k."""
+    if glue_active(x) and x.dtype in (torch.float32, torch.bfloat16):
+        return hadamard_fp4_kernel(x)
+    return hadamard_fp4_eager(x)
+
+
+def hadamard_fp4_eager(x: torch.Tensor) -> torch.Tensor:
+    """The torch reference of `hadamard_fp4` (and its kernel's test oracle)."""
     return fake_quant_fp4(hadamard(x), 32)
