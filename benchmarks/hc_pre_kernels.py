@@ -13,6 +13,7 @@ import argparse
 import functools
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -27,14 +28,19 @@ CALLS = 40  # sub-layers per dsv4-mini decode step
 
 
 def _module_at(commit: str):
-    src = subprocess.run(
-        ["git", "show", f"{commit}:kvrelay/kernels/triton_mhc.py"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+    """The kernels module at a commit, or from a file (`--old path/to/triton_mhc.py`)."""
+    if os.path.isfile(commit):
+        with open(commit) as f:
+            src = f.read()
+    else:
+        src = subprocess.run(
+            ["git", "show", f"{commit}:kvrelay/kernels/triton_mhc.py"],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
     f = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False)
     f.write(src)
     f.close()
-    spec = importlib.util.spec_from_file_location(f"triton_mhc_{commit}", f.name)
+    spec = importlib.util.spec_from_file_location(f"triton_mhc_old_{abs(hash(commit))}", f.name)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # triton's jit reads the source through the module
     spec.loader.exec_module(mod)

@@ -29,16 +29,19 @@ from kvrelay.models.deepseek_v4.experts import Fp4Experts
 HBM = 4.2e12  # bytes/s, the H200's practical streaming ceiling (shared/reference)
 
 SWEEP_SMALL = [  # rows per expert <= ~12
-    MoeConfig(16, 32, 128, 4, 3),
-    MoeConfig(16, 32, 128, 4, 4),
     MoeConfig(16, 64, 128, 4, 3),
+    MoeConfig(16, 32, 128, 4, 3),
     MoeConfig(16, 64, 128, 8, 3),
-    MoeConfig(16, 32, 256, 4, 3),
-    MoeConfig(16, 64, 64, 4, 4),
-    MoeConfig(16, 16, 128, 2, 3),
     MoeConfig(16, 64, 128, 4, 3, swap_ab=True),
-    MoeConfig(16, 32, 128, 4, 3, fp16_mma=True),
-    MoeConfig(16, 64, 128, 8, 3, fp16_mma=True),
+    MoeConfig(16, 64, 128, 4, 3, split_k=2),
+    MoeConfig(16, 64, 128, 4, 3, split_k=4),
+    MoeConfig(16, 64, 128, 4, 3, split_k=8),
+    MoeConfig(16, 32, 128, 4, 3, split_k=2),
+    MoeConfig(16, 32, 128, 4, 3, split_k=4),
+    MoeConfig(16, 64, 64, 4, 4, split_k=4),
+    MoeConfig(16, 128, 128, 4, 3, split_k=4),
+    MoeConfig(16, 128, 128, 8, 3, split_k=8),
+    MoeConfig(16, 64, 256, 4, 2, split_k=4),
 ]
 SWEEP_LARGE = [  # prefill
     MoeConfig(128, 64, 64, 8, 3),

@@ -15,7 +15,7 @@ echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 common=(--model dsv4-mini --modes single --concurrency 1,64 --input-len 1024 --output-len 64
   --prompts-per-level 2 --memory-fraction 0.9 --tokenizer .whl/tokenizer-smollm2
   --verify-prompts 0 --start-timeout 240 --bench-timeout 200)
-for label in off "r$R"; do
+for label in ${LABELS:-off r$R}; do  # LABELS="r1.3": the limited run alone
   extra=""
   [ "$label" != off ] && extra="--max-decode-slowdown $R"
   echo "== $label ($(date -u +%T)) server args: ${extra:-none}"

@@ -1,8 +1,10 @@
 #!/bin/bash
 # This session's GPU work beyond the quick check, one device call per part (carry .whl):
-#   PART=check   scripts/gpu_check.sh (quick tier + headline tables), then the batch-1/64 step
-#                profile (launches and kernel time by component) and the aten ops that launch
-#                kernels by source line (benchmarks/dsv4_launch_sources.py)              ~6 min
+#   PART=check   scripts/gpu_check.sh (quick tier + headline tables), the mHC pre kernels
+#                alone (hc_pre_kernels.py) and the MoE tile sweep at T=1/8/64             ~9 min
+#   PART=profile dsv4_decode at batch 1/8/64, the batch-1/64 step profile (launches and
+#                kernel time by component) and the aten ops that launch kernels by source
+#                line (benchmarks/dsv4_launch_sources.py)                                ~6 min
 #   PART=compare llama-1b decode at an older commit (OLD, default 2907d6a) and here, back to
 #                back (is a step change the code or the machine?)                        ~1 min
 #   PART=served  scripts/gpu_served_latency.sh (--max-decode-slowdown off vs on)          ~6 min
@@ -12,10 +14,18 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 case "${PART:-check}" in
 check)
-  BUDGET_S=${BUDGET_S:-300} SKIP=${SKIP:-served} bash scripts/gpu_check.sh
+  BUDGET_S=${BUDGET_S:-280} SKIP=${SKIP:-served} bash scripts/gpu_check.sh
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
   echo "== mHC pre kernels alone (us per call, graphed)"
   timeout -s INT -k 10 60 python3 benchmarks/hc_pre_kernels.py --out "$OUT/hc_pre_kernels.json" 2>&1 | tail -6
+  echo "== NVFP4 MoE tile sweep (split K)"
+  timeout -s INT -k 10 170 python3 benchmarks/moe_kernel.py --tokens 1,8,64 --sweep \
+    --out "$OUT/moe_sweep.json" 2>&1 | tail -12
+  ;;
+profile)
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+  timeout -s INT -k 10 150 python3 benchmarks/dsv4_decode.py --batches 1,8,64 --contexts 4096 \
+    --out "$OUT/dsv4_decode.json" 2>&1 | tail -12
   timeout -s INT -k 10 120 python3 benchmarks/dsv4_profile.py --batches 1,64 --steps 3 \
     --out "$OUT/dsv4_profile.json" 2>&1 | tail -40
   echo "== aten launch sources, batch 1"

@@ -54,6 +54,8 @@ if TYPE_CHECKING:
 
 GROUP_MAX_ASSIGN = 2048  # above this many assignments the torch grouping runs instead
 GROUP_CHUNK = 64  # most assignments per step of the grouping kernel (fewer for small batches)
+ACT_BLOCK_N = 512  # columns per program of the split route's activation kernel
+SUM_BLOCK_N = 1024  # and of its sum over the k slots
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class MoeConfig:
     num_stages: int = 3
     swap_ab: bool = False  # weights as the dot's left operand (see the module docstring)
     fp16_mma: bool = False  # NVFP4 with bf16 x: fp16 MMA operands (see the module docstring)
+    split_k: int = 1  # > 1: each GEMM's K in this many programs (see `fused_experts`)
 
 
 def default_config(n_assign: int, num_experts: int) -> MoeConfig:
@@ -323,10 +326,12 @@ def _gate_up_kernel(
     FP4: tl.constexpr, HAS_LIMIT: tl.constexpr, SWAP: tl.constexpr, PREC: tl.constexpr,
     MX: tl.constexpr, GROUP: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-    ODT: tl.constexpr,
+    ODT: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
     # x_ptr: the MMA operand (x, or its fp16 copy on the fp16-MMA route); ODT: x's own dtype,
     # to which gate and up are rounded as F.linear rounds them; act_ptr: x.dtype or fp16.
+    # SPLITS > 1: program_id(2) takes 1/SPLITS of K, and act_ptr is the fp32 partials
+    # [SPLITS, blocks * BM, 2 * N_INTER] (gate | up, scaled) that `_act_kernel` finishes.
     b = tl.program_id(0)
     n_rows = tl.load(blk_rows_ptr + b)
     if n_rows == 0:  # past the last used block
@@ -353,12 +358,13 @@ def _gate_up_kernel(
     else:
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros_like(acc_g)
+    k_lo, k_hi = _k_range(K, BK, SPLITS)
     sg_next = 0
     su_next = 0
     if FP4:
-        sg_next = _scale_tile(s_e, gate_rows, nmask, 0, K, stride_sn, BK, EVEN_K, GROUP)
-        su_next = _scale_tile(s_e, up_rows, nmask, 0, K, stride_sn, BK, EVEN_K, GROUP)
-    for k0 in range(0, K, BK):
+        sg_next = _scale_tile(s_e, gate_rows, nmask, k_lo, K, stride_sn, BK, EVEN_K, GROUP)
+        su_next = _scale_tile(s_e, up_rows, nmask, k_lo, K, stride_sn, BK, EVEN_K, GROUP)
+    for k0 in range(k_lo, k_hi, BK):
         sg = sg_next
         su = su_next
         if FP4:
@@ -378,37 +384,96 @@ def _gate_up_kernel(
     if FP4 and not MX and DT != tl.float32:  # exact-weight routes leave gs * 2^7 to acc
         acc_g = acc_g * (gs_g * 128.0)
         acc_u = acc_u * (gs_u * 128.0)
-    gate = acc_g.to(ODT).to(tl.float32)  # F.linear's output is x.dtype
+    rows = b * BM + r
+    if SPLITS > 1:  # the partial sums, for _act_kernel
+        part = act_ptr + tl.program_id(2) * (tl.num_programs(0) * BM * 2 * N_INTER)
+        _store_rows(part, rows, 2 * N_INTER, offs_n, acc_g, rmask, nmask, SWAP)
+        _store_rows(part + N_INTER, rows, 2 * N_INTER, offs_n, acc_u, rmask, nmask, SWAP)
+    else:
+        rw = tl.load(rw_ptr + a, mask=rmask, other=0.0)
+        if SWAP:
+            act = _activation(acc_g, acc_u, rw[None, :], limit, HAS_LIMIT, ODT, act_ptr)
+        else:
+            act = _activation(acc_g, acc_u, rw[:, None], limit, HAS_LIMIT, ODT, act_ptr)
+        _store_rows(act_ptr, rows, N_INTER, offs_n, act, rmask, nmask, SWAP)
+
+
+@_jit
+def _k_range(K, BK: tl.constexpr, SPLITS: tl.constexpr):
+    """This program's share of K (program_id(2) of SPLITS), in whole BK steps."""
+    if SPLITS == 1:
+        return 0, K
+    per = tl.cdiv(tl.cdiv(K, BK), SPLITS) * BK
+    k_lo = tl.program_id(2) * per
+    return k_lo, tl.minimum(k_lo + per, K)
+
+
+@_jit
+def _activation(acc_g, acc_u, rw, limit, HAS_LIMIT: tl.constexpr, ODT: tl.constexpr, act_ptr):
+    """gate and up (fp32 sums) -> the routed activation in act_ptr's dtype: gate and up
+    rounded to x.dtype (F.linear's output), clamped SwiGLU, times the routing weight."""
+    gate = acc_g.to(ODT).to(tl.float32)
     up = acc_u.to(ODT).to(tl.float32)
     if HAS_LIMIT:
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
-    act = gate * tl.sigmoid(gate) * up
-    rw = tl.load(rw_ptr + a, mask=rmask, other=0.0)
-    ADT = act_ptr.dtype.element_ty
-    out_rows = (b * BM + r).to(tl.int64) * N_INTER
-    if SWAP:
-        act = act * rw[None, :]
-    else:
-        act = act * rw[:, None]
-    if ADT == tl.float16:  # saturate rather than overflow to inf
+    act = gate * tl.sigmoid(gate) * up * rw
+    if act_ptr.dtype.element_ty == tl.float16:  # saturate rather than overflow to inf
         act = tl.minimum(tl.maximum(act, -65504.0), 65504.0)
-    act = act.to(ADT)
+    return act.to(act_ptr.dtype.element_ty)
+
+
+@_jit
+def _store_rows(ptr, rows, row_len, cols, v, rmask, cmask, SWAP: tl.constexpr):
+    """v [rows, cols] (SWAP: [cols, rows]) into ptr[row * row_len + col]."""
+    rows = rows.to(tl.int64) * row_len
     if SWAP:
-        ptrs = act_ptr + out_rows[None, :] + offs_n[:, None]
-        tl.store(ptrs, act, mask=nmask[:, None] & rmask[None, :])
+        tl.store(ptr + rows[None, :] + cols[:, None], v, mask=cmask[:, None] & rmask[None, :])
     else:
-        ptrs = act_ptr + out_rows[:, None] + offs_n[None, :]
-        tl.store(ptrs, act, mask=rmask[:, None] & nmask[None, :])
+        tl.store(ptr + rows[:, None] + cols[None, :], v, mask=rmask[:, None] & cmask[None, :])
+
+
+@_jit
+def _act_kernel(
+    part_ptr, rw_ptr, tok_ptr, blk_rows_ptr, act_ptr, N_INTER, limit,
+    HAS_LIMIT: tl.constexpr, ODT: tl.constexpr, SPLITS: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr,
+):  # fmt: skip
+    # Block b's rows, BN columns: gate and up summed over the splits in split order, then
+    # `_activation` as the unsplit kernel's epilogue does it.
+    b = tl.program_id(0)
+    n_rows = tl.load(blk_rows_ptr + b)
+    if n_rows == 0:
+        return
+    r = tl.arange(0, BM)
+    rmask = r < n_rows
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    cmask = cols < N_INTER
+    m = rmask[:, None] & cmask[None, :]
+    rows = b * BM + r
+    at = part_ptr + rows.to(tl.int64)[:, None] * (2 * N_INTER) + cols[None, :]
+    split_len = tl.num_programs(0) * BM * 2 * N_INTER
+    g = tl.zeros([BM, BN], dtype=tl.float32)
+    u = tl.zeros([BM, BN], dtype=tl.float32)
+    for sp in tl.static_range(SPLITS):
+        g += tl.load(at + sp * split_len, mask=m, other=0.0)
+        u += tl.load(at + sp * split_len + N_INTER, mask=m, other=0.0)
+    a = tl.load(tok_ptr + b * BM + r, mask=rmask, other=0)
+    rw = tl.load(rw_ptr + a, mask=rmask, other=0.0)
+    act = _activation(g, u, rw[:, None], limit, HAS_LIMIT, ODT, act_ptr)
+    _store_rows(act_ptr, rows, N_INTER, cols, act, rmask, cmask, False)
 
 
 @_jit
 def _down_kernel(
     act_ptr, w_ptr, s_ptr, gs_ptr, tok_ptr, blk_e_ptr, blk_rows_ptr, y_ptr,
-    K, N, stride_we, stride_wn, stride_se, stride_sn,
+    K, N, stride_we, stride_wn, stride_se, stride_sn, split_len,
     FP4: tl.constexpr, SWAP: tl.constexpr, PREC: tl.constexpr, MX: tl.constexpr,
     GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):  # fmt: skip
+    # SPLITS > 1: program_id(2) takes 1/SPLITS of K, y_ptr is the fp32 partials
+    # [SPLITS, T * k, N] that `_sum_kernel` adds.
     b = tl.program_id(0)
     n_rows = tl.load(blk_rows_ptr + b)
     if n_rows == 0:
@@ -431,10 +496,11 @@ def _down_kernel(
         acc = tl.zeros([BN, BM], dtype=tl.float32)
     else:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
+    k_lo, k_hi = _k_range(K, BK, SPLITS)
     s_next = 0
     if FP4:
-        s_next = _scale_tile(s_e, w_rows, nmask, 0, K, stride_sn, BK, EVEN_K, GROUP)
-    for k0 in range(0, K, BK):
+        s_next = _scale_tile(s_e, w_rows, nmask, k_lo, K, stride_sn, BK, EVEN_K, GROUP)
+    for k0 in range(k_lo, k_hi, BK):
         sk = s_next
         if FP4:
             s_next = _scale_tile(s_e, w_rows, nmask, k0 + BK, K, stride_sn, BK, EVEN_K, GROUP)
@@ -447,14 +513,29 @@ def _down_kernel(
         )  # fmt: skip
     if FP4 and not MX and DT != tl.float32:  # exact-weight routes leave gs * 2^7 to acc
         acc = acc * (gs * 128.0)
+    if SPLITS > 1:  # fp32 partials, rounded after _sum_kernel adds them
+        y_ptr += tl.program_id(2).to(tl.int64) * split_len
     y = acc.to(y_ptr.dtype.element_ty)  # x.dtype, as F.linear rounds it
-    y_rows = a.to(tl.int64) * N
-    if SWAP:
-        ptrs = y_ptr + y_rows[None, :] + offs_n[:, None]
-        tl.store(ptrs, y, mask=nmask[:, None] & rmask[None, :])
-    else:
-        ptrs = y_ptr + y_rows[:, None] + offs_n[None, :]
-        tl.store(ptrs, y, mask=rmask[:, None] & nmask[None, :])
+    _store_rows(y_ptr, a, N, offs_n, y, rmask, nmask, SWAP)
+
+
+@_jit
+def _sum_kernel(
+    part_ptr, out_ptr, n_assign, N, top_k,
+    SPLITS: tl.constexpr, ODT: tl.constexpr, BN: tl.constexpr,
+):  # fmt: skip
+    # out[t] = fp32 sum over the k slots, in slot order, of y = (the splits' partials added in
+    # split order) rounded to x.dtype (F.linear's output), as the unsplit route sums y.
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    cm = cols < N
+    out = tl.zeros([BN], dtype=tl.float32)
+    for j in range(top_k):
+        y = tl.zeros([BN], dtype=tl.float32)
+        for sp in tl.static_range(SPLITS):
+            y += tl.load(part_ptr + (sp * n_assign + t * top_k + j) * N + cols, mask=cm, other=0.0)
+        out += y.to(ODT).to(tl.float32)
+    tl.store(out_ptr + t * N + cols, out, mask=cm)
 
 
 # -- entry point ---------------------------------------------------------------------------
@@ -526,18 +607,36 @@ def fused_experts(
     limit = float(experts.limit)
     launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     blocks = {"BM": cfg.block_m, "BN": cfg.block_n, "BK": cfg.block_k}
-    _gate_up_kernel[(nb, triton.cdiv(inter, cfg.block_n))](
-        x_mma, w1, s1, gs1, rw, *grouping, act,
+    # split_k > 1 (decode: a few rows per expert): K in split_k programs, so that every SM
+    # pulls weight bytes; fp32 partials, added in split order by _act_kernel and _sum_kernel.
+    splits = cfg.split_k
+    gu_out = act
+    if splits > 1:
+        gu_out = torch.empty(splits, nb * cfg.block_m, two_i, dtype=torch.float32, device=x.device)
+    _gate_up_kernel[(nb, triton.cdiv(inter, cfg.block_n), splits)](
+        x_mma, w1, s1, gs1, rw, *grouping, gu_out,
         h, inter, top_k, limit,
         x_mma.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
         FP4=fp4, HAS_LIMIT=limit > 0, SWAP=cfg.swap_ab, PREC=prec, MX=mx, GROUP=group, **blocks,
-        EVEN_K=h % cfg.block_k == 0, ODT=odt, **launch,
+        EVEN_K=h % cfg.block_k == 0, ODT=odt, SPLITS=splits, **launch,
     )  # fmt: skip
-    y = torch.empty(n, h, dtype=x.dtype, device=x.device)
-    _down_kernel[(nb, triton.cdiv(h, cfg.block_n))](
+    if splits > 1:
+        _act_kernel[(nb, triton.cdiv(inter, ACT_BLOCK_N))](
+            gu_out, rw, grouping.token_ids, grouping.block_rows, act, inter, limit,
+            HAS_LIMIT=limit > 0, ODT=odt, SPLITS=splits, BM=cfg.block_m, BN=ACT_BLOCK_N,
+        )  # fmt: skip
+    y_dtype = torch.float32 if splits > 1 else x.dtype
+    y = torch.empty(splits, n, h, dtype=y_dtype, device=x.device)
+    _down_kernel[(nb, triton.cdiv(h, cfg.block_n), splits)](
         act, w2, s2, gs2, *grouping, y,
-        inter, h, w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
+        inter, h, w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), n * h,
         FP4=fp4, SWAP=cfg.swap_ab, PREC=prec, MX=mx, GROUP=group, **blocks,
-        EVEN_K=inter % cfg.block_k == 0, **launch,
+        EVEN_K=inter % cfg.block_k == 0, SPLITS=splits, **launch,
     )  # fmt: skip
-    return y.view(t, top_k, h).sum(dim=1, dtype=torch.float32)
+    if splits == 1:
+        return y.view(t, top_k, h).sum(dim=1, dtype=torch.float32)
+    out = torch.empty(t, h, dtype=torch.float32, device=x.device)
+    _sum_kernel[(t, triton.cdiv(h, SUM_BLOCK_N))](
+        y, out, n, h, top_k, SPLITS=splits, ODT=odt, BN=SUM_BLOCK_N
+    )
+    return out

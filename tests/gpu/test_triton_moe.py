@@ -151,6 +151,9 @@ def test_tiny(shape, t, mode, fp4, dtype, tol) -> None:
         MoeConfig(128, 64, 64, 8, 3, False),
         MoeConfig(16, 32, 128, 4, 3, False, True),
         MoeConfig(128, 64, 64, 8, 3, True, True),
+        MoeConfig(16, 32, 32, 4, 2, False, False, 3),  # split K, the last split short
+        MoeConfig(16, 64, 128, 4, 3, True, False, 4),
+        MoeConfig(64, 64, 64, 4, 3, False, True, 2),
     ],
     ids=str,
 )
@@ -224,6 +227,15 @@ def test_mini_nvfp4(mini_fp4, t, mode) -> None:
         pytest.skip("one prefill-sized routing is enough")
     gen = torch.Generator(device="cuda").manual_seed(t * 31 + len(mode))
     _check(mini_fp4, t, mode, torch.bfloat16, 1e-2, gen, rounds=1 if t == 4096 else 2)
+
+
+@tiered("t,split", [(1, 4), (7, 2), (64, 8), (1, 8)], quick=[(1, 4)], ids=str)
+def test_mini_nvfp4_split_k(mini_fp4, t, split) -> None:
+    """K split over programs (decode): the partials added in split order, then the same
+    epilogues; every row the grouping made is written (the NaN poison would show)."""
+    gen = torch.Generator(device="cuda").manual_seed(t * 13 + split)
+    cfg = dataclasses.replace(default_config(t * 6, 256), split_k=split)
+    _check(mini_fp4, t, "topk", torch.bfloat16, 1e-2, gen, cfg)
 
 
 @pytest.mark.gpu_full
