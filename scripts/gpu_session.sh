@@ -17,7 +17,7 @@ check)
   BUDGET_S=${BUDGET_S:-280} SKIP=${SKIP:-served} bash scripts/gpu_check.sh
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
   echo "== mHC pre kernels alone (us per call, graphed)"
-  timeout -s INT -k 10 60 python3 benchmarks/hc_pre_kernels.py --out "$OUT/hc_pre_kernels.json" 2>&1 | tail -6
+  timeout -s INT -k 10 60 python3 benchmarks/hc_pre_kernels.py --old "${HC_OLD:-HEAD}" --out "$OUT/hc_pre_kernels.json" 2>&1 | tail -6
   echo "== NVFP4 MoE tile sweep (split K)"
   timeout -s INT -k 10 170 python3 benchmarks/moe_kernel.py --tokens 1,8,64 --sweep \
     --out "$OUT/moe_sweep.json" 2>&1 | tail -12
