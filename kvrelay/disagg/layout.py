@@ -27,12 +27,10 @@ from __future__ import annotations
 
 import hashlib
 
-import torch
-
-from kvrelay.cache.paging import row_index
 from kvrelay.cache.spec import PAGE, SLOT, CacheKind
+from kvrelay.engine.kv_pieces import page_rows
 
-# PAGE, SLOT and CacheKind are re-exported: the agents' vocabulary.
+# PAGE, SLOT, CacheKind and page_rows (engine/kv_pieces.py) are re-exported: the agents' vocabulary.
 __all__ = [
     "PAGE",
     "SLOT",
@@ -44,12 +42,6 @@ __all__ = [
     "max_piece_bytes",
     "page_rows",
 ]
-
-
-def page_rows(kind: CacheKind, pages: list[int], page_size: int, first: int, last: int):
-    """Flat row indices (into `kind.byte_rows`) of a request's rows first..last-1."""
-    pages_t = torch.tensor(pages, dtype=torch.long, device=kind.tensor.device)
-    return row_index(pages_t, first, last, kind.ratio, page_size, kind.tensor.shape[1])
 
 
 def max_piece_bytes(kinds: list[CacheKind], max_tokens: int) -> int:

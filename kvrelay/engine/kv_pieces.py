@@ -1,12 +1,22 @@
-"""One transfer piece: which rows of its cache kinds it carries, and their bytes out of (sender)
-or into (receiver) the pools. Both sides derive the rows from the same facts (the request's
-pages and slot, the token range, the prompt length), so only the bytes travel."""
+"""One PD transfer piece: which rows of its cache kinds it carries, and their bytes out of
+(prefill) or into (decode) the pools. Both sides derive the rows from the same facts (the
+request's pages and slot, the token range, the prompt length), so only the bytes travel.
+
+Row maths over the pool's cache kinds, used by the engine's workers (tp_gather, tp_install and
+the PD connector's worker side) and by the transfer backends above them (disagg/)."""
 
 from __future__ import annotations
 
 import torch
 
-from kvrelay.disagg.layout import SLOT, CacheKind, page_rows
+from kvrelay.cache.paging import row_index
+from kvrelay.cache.spec import SLOT, CacheKind
+
+
+def page_rows(kind: CacheKind, pages: list[int], page_size: int, first: int, last: int):
+    """Flat row indices (into `kind.byte_rows`) of a request's rows first..last-1."""
+    pages_t = torch.tensor(pages, dtype=torch.long, device=kind.tensor.device)
+    return row_index(pages_t, first, last, kind.ratio, page_size, kind.tensor.shape[1])
 
 
 def piece_rows(

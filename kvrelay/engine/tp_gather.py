@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvrelay.cache.spec import CacheKind
-from kvrelay.disagg.pieces import local_rows
+from kvrelay.engine.kv_pieces import local_rows
 from kvrelay.engine.tp_install import PieceFacts, recv_facts, send_facts
 from kvrelay.layers.parallel import TPGroup
 

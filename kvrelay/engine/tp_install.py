@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvrelay.cache.spec import CacheKind
-from kvrelay.disagg.pieces import piece_rows, scatter
+from kvrelay.engine.kv_pieces import piece_rows, scatter
 from kvrelay.layers.parallel import TPGroup
 
 INSTALL = 2  # a step header kind (STOP = 0, STEP = 1 in tp_step, tp_gather.GATHER = 3)
