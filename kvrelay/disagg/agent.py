@@ -1,5 +1,9 @@
 """What the prefill sender and the decode receiver share: the transport, identity, events, failures.
 
+An agent works through the PD connector's two sides (engine/pd_connector.py): the scheduler side
+for requests and pages, the worker side for the caches; and through one transfer backend
+(transport/base.py) for frames and for how a piece's bytes move. It never sees the engine.
+
 Transport threads only decode frames (and verify checksums, which is pure CPU work) and queue events;
 every state change happens on the engine thread in `poll()`, so the scheduler and the KV pool are
 never touched from two threads. The handshake (handshake.py) runs on the transport threads too:
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from kvrelay.config import DisaggConfig
 from kvrelay.disagg import handshake as H
 from kvrelay.disagg import protocol as P
 from kvrelay.disagg.layout import (
@@ -28,9 +33,10 @@ from kvrelay.disagg.layout import (
     layout_difference,
     max_piece_bytes,
 )
-from kvrelay.disagg.transport import make_transport
+from kvrelay.disagg.transport import make_backend
 from kvrelay.disagg.transport.base import Connection
 from kvrelay.engine.messages import RequestOutput
+from kvrelay.engine.pd_connector import SchedulerSide, WorkerSide
 
 log = logging.getLogger("kvrelay.disagg")
 
@@ -44,29 +50,28 @@ class Event:
     reason: str = ""
 
 
-def engine_layout(engine) -> tuple[list[CacheKind], list[str]]:
+def cache_layout(worker: WorkerSide) -> tuple[list[CacheKind], list[str]]:
     """The engine's cache kinds and their description (what both sides of a pair must share)."""
-    kinds = engine.runner.transfer_layout()
-    return kinds, describe_layout(kinds, engine.runner.page_size, engine.src.config.vocab_size)
+    kinds = worker.kinds
+    return kinds, describe_layout(kinds, worker.page_size, worker.vocab_size)
 
 
 class TransferAgent:
     role = ""
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        self.cfg = engine.cfg.disagg
-        self.transport = make_transport(self.cfg.transfer_backend)
+    def __init__(self, cfg: DisaggConfig, scheduler: SchedulerSide, worker: WorkerSide) -> None:
+        self.sched, self.worker = scheduler, worker
+        self.cfg = cfg
+        # the backend's frames, and how a piece's bytes move (no other backend difference here)
+        self.backend = make_backend(cfg.transfer_backend, cfg.checksum, worker.device)
+        self.transport = self.backend.transport
         self.instance_id = uuid.uuid4().hex[:16]
-        self.kinds, self.layout_lines = engine_layout(engine)
-        self.in_place = self.cfg.transfer_backend == "cuda_ipc"
-        if self.in_place and engine.runner.device.type != "cuda":
-            raise ValueError("the cuda_ipc transfer backend needs the engine on a CUDA device")
+        self.kinds, self.layout_lines = cache_layout(worker)
         self.kind_by_name = {k.name: k for k in self.kinds}
         self.layout = fingerprint(self.layout_lines)
         self.secret = self.cfg.pd_secret  # "": no peer can authenticate, every one is refused
         # What an authenticated peer's frame may carry: one piece of a whole-context prompt.
-        self.max_payload = max_piece_bytes(self.kinds, engine.max_model_len)
+        self.max_payload = max_piece_bytes(self.kinds, worker.max_model_len)
         self._authed: set[Connection] = set()  # peers that completed the handshake
         self.events: queue.Queue[Event] = queue.Queue()
         self.addr = ""
@@ -176,12 +181,7 @@ class TransferAgent:
             if conn in self._authed:  # our own proof is sent: heartbeats may follow it now
                 self.track(conn)
             return
-        ok = True
-        if isinstance(msg, P.ChunkHeader) and not msg.in_place:  # in place: checked on install
-            if payload.nbytes != msg.nbytes:
-                ok = False
-            elif msg.checksum is not None and self.cfg.checksum:
-                ok = P.checksum([payload]) == msg.checksum
+        ok = self._arrived_ok(msg, payload) if isinstance(msg, P.ChunkHeader) else True
         if isinstance(msg, P.Hello | P.Auth):
             raise ConnectionError(f"a second {type(msg).__name__} on an authenticated connection")
         self.events.put(Event(conn, msg, payload if payload.nbytes else None, ok))
@@ -205,6 +205,10 @@ class TransferAgent:
     def _on_handshake(self, conn: Connection, msg: P.Hello | P.Auth | P.Failure) -> None:
         """A handshake message from a peer not yet authenticated (on its transport thread)."""
         raise NotImplementedError
+
+    def _arrived_ok(self, h: P.ChunkHeader, payload: memoryview) -> bool:
+        """A piece's frame, on the transport thread: whether its payload is whole and intact."""
+        return True
 
     def _on_bad_message(self, conn: Connection, why: str) -> None:
         """A frame that is no valid message (the connection closes after this)."""
@@ -249,10 +253,9 @@ class TransferAgent:
             self._connected.discard(conn)
             self._count_event("peer_lost")
 
-    def _count_bytes(self, nbytes: int, in_place: bool) -> None:
+    def _count_bytes(self, nbytes: int, backend: str) -> None:
         # By how the bytes moved: a cuda_ipc server paired with a tcp one sends through the socket.
         per_backend = self.byte_counts[self.direction]
-        backend = "cuda_ipc" if in_place else "tcp"
         per_backend[backend] = per_backend.get(backend, 0) + nbytes
 
     def _observe(self, phase: str, seconds: float) -> None:
@@ -285,7 +288,7 @@ class TransferAgent:
             cause,
             message,
         )
-        self.engine.emit(
+        self.sched.emit(
             RequestOutput(rid, [], finish_reason="error", error=f"{cause}: {message}", cause=cause)
         )
 
@@ -300,6 +303,10 @@ class TransferAgent:
             else:
                 self._handle(ev)
         self._check_deadlines()
+
+    def on_sampled(self, req, out: RequestOutput) -> bool:
+        """A request's sampled token (prefill ships its KV with the first); True: it was ours."""
+        return False
 
     def reject(self, transfer_id: str, reason: str) -> None:
         """The engine refused this side's copy of a PD request (bad input): tell the peer if it asks."""

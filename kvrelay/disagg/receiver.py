@@ -19,8 +19,11 @@ Failure) or its connection is closed: with an in-place backend (cuda_ipc) prefil
 into those pages, and a late write must never land in the next owner's KV. A peer that does not
 answer within bootstrap_timeout_s is hung up on, which lifts the fence.
 
-Only the scheduler's public operations touch pages and slots (reserve_transfer, admit_transferred,
-finish, finish_fenced, lift).
+Only the PD connector's scheduler side touches pages and slots (reserve, admit_transferred,
+finish, finish_fenced, release: the scheduler's public operations). How a piece's bytes came, and
+so how they are checked and installed, is the backend's `PieceIntake` for the header's way
+(transport/base.py: framed over tcp, already in place over cuda_ipc); nothing here depends on
+the backend.
 """
 
 from __future__ import annotations
@@ -29,20 +32,18 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from kvrelay.cache.block_pool import OutOfPages
+from kvrelay.config import DisaggConfig
 from kvrelay.disagg import handshake as H
 from kvrelay.disagg import protocol as P
 from kvrelay.disagg.agent import Event, TransferAgent
 from kvrelay.disagg.layout import PAGE, SLOT
-from kvrelay.disagg.pieces import expected_bytes, gather_rows, piece_rows
 from kvrelay.disagg.protocol import TState
 from kvrelay.disagg.transport.base import Connection
-from kvrelay.disagg.transport.cuda_ipc import device_checksum, export_tensors
+from kvrelay.engine.kv_pieces import expected_bytes, piece_rows
 from kvrelay.engine.messages import RequestOutput, TokenLogprob
+from kvrelay.engine.pd_connector import SchedulerSide, WorkerSide
 from kvrelay.engine.scheduler import Fence
-from kvrelay.engine.tp_install import InstallPiece
 
 log = logging.getLogger("kvrelay.disagg")
 
@@ -89,8 +90,8 @@ class Orphan:
 class DecodeReceiver(TransferAgent):
     role = "decode"
 
-    def __init__(self, engine) -> None:
-        super().__init__(engine)
+    def __init__(self, cfg: DisaggConfig, scheduler: SchedulerSide, worker: WorkerSide) -> None:
+        super().__init__(cfg, scheduler, worker)
         self.transfers: dict[str, DecodeTransfer] = {}  # by transfer id
         self.orphans: dict[str, Orphan] = {}
         self.refused: dict[
@@ -101,7 +102,7 @@ class DecodeReceiver(TransferAgent):
         ] = {}  # transfer id -> when it failed: its late pieces are dropped quietly
         self.fences: dict[str, Fenced] = {}  # transfer id -> pages prefill may still write into
         self._handshakes: dict[Connection, Handshake] = {}  # said hello, not yet authenticated
-        self.kind_index = {k.name: i for i, k in enumerate(self.kinds)}  # as the runner lists them
+        self.intakes = self.backend.intakes(worker)  # by ChunkHeader.in_place: how pieces came
         self.addr = self.transport.listen(
             self.cfg.transfer_host, self.cfg.transfer_port, self._on_message, self._on_close
         )
@@ -161,10 +162,8 @@ class DecodeReceiver(TransferAgent):
         if mismatch:
             return self._refuse(conn, P.Cause.LAYOUT, "layout_mismatch", mismatch)
         self._authenticated(conn)
-        ipc = []
-        if self.in_place:  # prefill writes into these rows, and may now know where they are
-            ipc = export_tensors({k.name: k.byte_rows for k in self.kinds})
-        conn.send(P.encode(P.Auth(self._proof("decode", shake), ipc)))
+        offer = self.backend.offer(self.kinds)  # cuda_ipc: the tensors prefill may write into
+        conn.send(P.encode(P.Auth(self._proof("decode", shake), offer)))
         # Prefill connects from a fresh port each time: a restart shows as peer_lost, then
         # peer_connected with a new instance id (prefill itself counts peer_restarted).
         self._connected_peer(conn)
@@ -198,7 +197,7 @@ class DecodeReceiver(TransferAgent):
             )
             return
         try:  # back-pressure: only what fits next to what admitted requests may still need
-            self.engine.scheduler.reserve_transfer(req)
+            self.sched.reserve(req)
         except OutOfPages as e:
             self._emit_failure(req.rid, pd.transfer_id, P.Cause.NO_KV, str(e), "new")
             self.reject(pd.transfer_id, str(e))
@@ -207,7 +206,7 @@ class DecodeReceiver(TransferAgent):
         t.filled = {
             k.name: 0 if k.unit == SLOT else req.matched_tokens for k in self.kind_by_name.values()
         }
-        t.resume_rows = self.engine.scheduler.prefix is not None
+        t.resume_rows = self.sched.caches_prompts
         self.transfers[pd.transfer_id] = t
         orphan = self.orphans.pop(pd.transfer_id, None)
         if orphan is not None:
@@ -352,48 +351,27 @@ class DecodeReceiver(TransferAgent):
             )
         if problem:
             return self._fail(t, P.Cause.IDENTITY, problem)
-        page_size = self.engine.runner.page_size
+        page_size = self.worker.page_size
         rows = piece_rows(kinds, req.pages, req.state_slot, page_size, s, e, n_tok, t.resume_rows)
         expected = expected_bytes(kinds, rows)
         began = time.monotonic()
-        if h.in_place:  # cuda_ipc: prefill already wrote the rows into our pages
-            bad = self._in_place_problem(h, kinds, rows, expected)
-        else:
-            bad = self._payload_problem(h, ev, expected)
+        intake = self.intakes[h.in_place]  # framed bytes, or rows prefill wrote in place
+        bad = intake.problem(h, ev.payload, ev.checksum_ok, kinds, rows, expected)
         if bad:
             return self._fail(t, *bad)
-        if not h.in_place:  # through the runner: with TP every rank installs it
-            idx = [self.kind_index[name] for name in h.kinds]
-            facts = (idx, list(req.pages), req.state_slot, s, e, n_tok, t.resume_rows)
-            piece = InstallPiece(*facts, ev.payload)
-            self.engine.runner.install_piece(piece)
+        facts = (kinds, list(req.pages), req.state_slot, s, e, n_tok, t.resume_rows)
+        intake.install(*facts, ev.payload)  # framed: through the worker side, on every TP rank
         for name in h.kinds:
             t.filled[name] = e
         t.num_chunks += 1
         t.install_s += time.monotonic() - began
-        self._count_bytes(expected, in_place=h.in_place)
+        self._count_bytes(expected, intake.name)
 
-    @staticmethod
-    def _payload_problem(h: P.ChunkHeader, ev: Event, expected: int) -> tuple[str, str] | None:
-        got = 0 if ev.payload is None else ev.payload.nbytes
-        if got != expected or h.nbytes != expected:
-            return P.Cause.IDENTITY, f"chunk of {got} bytes, expected {expected}"
-        if not ev.checksum_ok:
-            return P.Cause.CHECKSUM, _mismatch(h)
-        return None
-
-    def _in_place_problem(self, h: P.ChunkHeader, kinds, rows, expected: int):
-        if not self.in_place:
-            return P.Cause.IDENTITY, "an in-place piece, but decode shares no memory"
-        if h.nbytes != expected:
-            return P.Cause.IDENTITY, f"piece of {h.nbytes} bytes, expected {expected}"
-        if h.checksum is not None and self.cfg.checksum:
-            if device_checksum(gather_rows(kinds, rows)) != h.checksum:
-                return P.Cause.CHECKSUM, _mismatch(h)
-        return None
+    def _arrived_ok(self, h: P.ChunkHeader, payload: memoryview) -> bool:
+        return self.intakes[h.in_place].arrived_ok(h, payload)
 
     def _finish(self, t: DecodeTransfer, f: P.FirstToken) -> None:
-        eng, req = self.engine, t.req
+        req = t.req
         if t.sm.state != TState.RECEIVING or f.rid != req.rid:
             return self._fail(
                 t, P.Cause.IDENTITY, f"first token for {f.rid} in state {t.sm.state.value}"
@@ -407,7 +385,7 @@ class DecodeReceiver(TransferAgent):
                 f"first token after {t.num_chunks} of {f.num_chunks} pieces "
                 f"(prompt caches per kind: {min(done)}..{max(done)} of {n_tok} tokens)",
             )
-        if not 0 <= f.token_id < eng.src.config.vocab_size:
+        if not 0 <= f.token_id < self.worker.vocab_size:
             return self._fail(
                 t, P.Cause.IDENTITY, f"first token {f.token_id} is outside the vocabulary"
             )
@@ -420,30 +398,16 @@ class DecodeReceiver(TransferAgent):
         req.resume_from = self._resume_from(t, len(req.prompt_ids))
         # usage: prompt tokens whose KV was reused, by prefill (not computed) or here (not moved)
         req.num_cached_tokens = max(f.cached_tokens, req.matched_tokens)
-        req.output_ids.append(f.token_id)
-        if req.params.temperature > 0 and req.generator is not None:
-            # Prefill drew the first token from this seed: make the same one draw (one exponential per
-            # vocabulary entry, as the sampler does) so seeded sampling continues exactly as in one server.
-            torch.empty(
-                eng.src.config.vocab_size, dtype=torch.float32, device=eng.runner.device
-            ).exponential_(generator=req.generator)
-        reason = eng.stop_reason(req, f.token_id)
         top = None if f.top_logprobs is None else [[TokenLogprob(a, b) for a, b in f.top_logprobs]]
-        eng.emit(
-            RequestOutput(
-                req.rid,
-                [f.token_id],
-                None if f.logprob is None else [f.logprob],
-                top,
-                finish_reason=reason,
-                num_prompt_tokens=len(req.prompt_ids),
-                num_cached_tokens=req.num_cached_tokens,
-            )
+        first = RequestOutput(
+            req.rid,
+            [f.token_id],
+            None if f.logprob is None else [f.logprob],
+            top,
+            num_prompt_tokens=len(req.prompt_ids),
+            num_cached_tokens=req.num_cached_tokens,
         )
-        if reason is not None:
-            eng.scheduler.finish(req, reason)
-        else:
-            eng.scheduler.admit_transferred(req)
+        self.sched.admit_transferred(req, first)  # emitted; decoding, or finished by the token
 
     def _resume_from(self, t: DecodeTransfer, n: int) -> int:
         """The first page boundary where a request could resume from the received pages: every
@@ -462,14 +426,13 @@ class DecodeReceiver(TransferAgent):
         tid = t.pd.transfer_id
         self.ended[tid] = time.monotonic()
         self.transfers.pop(tid, None)
-        sched = self.engine.scheduler
         if fence and known:
-            self.fences[tid] = Fenced(t.conn, sched.finish_fenced(t.req, "error"))
+            self.fences[tid] = Fenced(t.conn, self.sched.finish_fenced(t.req, "error"))
         else:
-            sched.finish(t.req, "error")
+            self.sched.finish(t.req, "error")
 
     def _lift(self, tid: str) -> None:
-        self.engine.scheduler.lift(self.fences.pop(tid).fence)
+        self.sched.release(self.fences.pop(tid).fence)
 
     def _fail(self, t: DecodeTransfer, cause: str, message: str, notify: bool = True) -> None:
         state = t.sm.state.value
@@ -525,7 +488,3 @@ class DecodeReceiver(TransferAgent):
                     o.conn,
                     P.ReserveAck(tid, False, "decode never received its copy of the request"),
                 )
-
-
-def _mismatch(h: P.ChunkHeader) -> str:
-    return f"checksum mismatch on {h.kinds[0]}.. tokens [{h.token_start}, {h.token_end})"

@@ -10,30 +10,33 @@ answered with Released once nothing more will be sent or written for that transf
 the pages it gave us fenced until then. A decode address without a live peer is dialed (connect +
 handshake, each with its own deadline) on a thread of its own, so a slow or silent decode never
 stalls the engine; its transfers wait in BOOTSTRAPPING, under their bootstrap deadline.
+
+How a piece's bytes reach decode is the peer's `PieceLink` (transport/base.py: framed over tcp,
+or written into decode's pages over cuda_ipc), chosen at the handshake; nothing here depends on
+the backend. Test faults (faults.py) come in through one optional hook, `faults`.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-import random
 import threading
 import time
 from dataclasses import dataclass, field
 
 import msgspec
-import torch
 
 from kvrelay.cache.paging import pages_for
+from kvrelay.config import DisaggConfig
 from kvrelay.disagg import handshake as H
 from kvrelay.disagg import protocol as P
 from kvrelay.disagg.agent import Event, TransferAgent
+from kvrelay.disagg.faults import SendFaults
 from kvrelay.disagg.layout import PAGE, SLOT, layer_groups
-from kvrelay.disagg.pieces import gather, piece_rows
 from kvrelay.disagg.protocol import TState
-from kvrelay.disagg.transport.base import Connection
-from kvrelay.disagg.transport.cuda_ipc import device_checksum, open_tensors
+from kvrelay.disagg.transport.base import Connection, LinkError, Piece, PieceFault, PieceLink
 from kvrelay.engine.messages import RequestOutput
+from kvrelay.engine.pd_connector import SchedulerSide, WorkerSide
 
 log = logging.getLogger("kvrelay.disagg")
 
@@ -59,29 +62,7 @@ class Peer:
     cause: str = ""  # why the handshake failed ("" while it has not)
     error: str = ""
     event: str = ""  # the bootstrap event `error` counts as
-    remote: dict | None = None  # cuda_ipc: decode's cache kinds (byte rows), opened here
-    dst_limits: tuple[int, int] = (0, 0)  # cuda_ipc: decode's page and slot counts
-
-
-class DelayedSends:
-    """TEST ONLY: frames sent `delay_s` late, in order, from a thread of their own (a stalled link)."""
-
-    def __init__(self, delay_s: float) -> None:
-        self.delay_s = delay_s
-        self.q: queue.Queue[tuple[float, Connection, bytes, list]] = queue.Queue()
-        threading.Thread(target=self._run, daemon=True, name="kvrelay-test-delay").start()
-
-    def put(self, conn: Connection, header: bytes, buffers) -> None:
-        self.q.put((time.monotonic() + self.delay_s, conn, header, list(buffers)))
-
-    def _run(self) -> None:
-        while True:
-            due, conn, header, buffers = self.q.get()
-            time.sleep(max(due - time.monotonic(), 0.0))
-            try:
-                conn.send(header, buffers)
-            except ConnectionError:
-                pass  # the connection's reader thread reports the loss
+    link: PieceLink | None = None  # how pieces reach this peer (set once it authenticated)
 
 
 @dataclass
@@ -99,7 +80,7 @@ class PrefillTransfer:
     resume_rows: bool = (
         False  # decode caches the prompt's pages (its ack): window rows a hit reads go
     )
-    corrupt: bool = False  # TEST ONLY: damage the first non-empty piece
+    fault: PieceFault | None = None  # TEST ONLY (faults.py): damage to one of its pieces
     acked: float = 0.0  # monotonic time of decode's reservation ack
     send_s: float = 0.0  # time spent sending pieces (gather, checksum, copy or socket)
 
@@ -107,8 +88,11 @@ class PrefillTransfer:
 class PrefillSender(TransferAgent):
     role = "prefill"
 
-    def __init__(self, engine) -> None:
-        super().__init__(engine)
+    def __init__(
+        self, cfg: DisaggConfig, scheduler: SchedulerSide, worker: WorkerSide,
+        faults: SendFaults | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(cfg, scheduler, worker)
         self.peers: dict[str, Peer] = {}  # by decode address: authenticated connections
         self._handshakes: dict[Connection, Peer] = {}  # connections still shaking hands
         # Dialing runs on its own threads, never the engine thread: decode address -> the rids
@@ -119,9 +103,7 @@ class PrefillSender(TransferAgent):
         self.instance_at: dict[str, str] = {}  # decode address -> the instance last seen there
         self.page_groups = layer_groups(self.kinds, PAGE, self.cfg.layers_per_chunk)
         self.slot_groups = layer_groups(self.kinds, SLOT, self.cfg.layers_per_chunk)
-        self._fault_rng = random.Random(engine.cfg.seed)
-        d = self.cfg.test_delay_transfer_s
-        self._delayed = DelayedSends(d) if d > 0 else None
+        self.faults = faults  # TEST ONLY (faults.py): None unless a test or a test flag sets one
 
     def state_counts(self) -> dict[str, int]:
         counts = dict.fromkeys(("bootstrapping", "prefilling", "sending"), 0)
@@ -130,12 +112,8 @@ class PrefillSender(TransferAgent):
         return counts
 
     def _send(self, conn: Connection | None, msg: P.Message, buffers=()) -> bool:
-        # Released goes the same way: it must not overtake the pieces it says are the last.
-        if self._delayed is not None and isinstance(msg, P.ChunkHeader | P.FirstToken | P.Released):
-            if conn is None or conn.closed:
-                return False
-            self._delayed.put(conn, P.encode(msg), buffers)
-            return True
+        if self.faults is not None and self.faults.delays(msg):  # TEST ONLY: a stalled link
+            return self.faults.send_late(conn, msg, buffers)
         return super()._send(conn, msg, buffers)
 
     @property
@@ -166,13 +144,10 @@ class PrefillSender(TransferAgent):
         if not H.proof_ok(self._proof("decode", peer), msg.proof):
             why = f"decode at {conn.peer} failed to prove it holds the PD secret"
             return self._handshake_failed(peer, P.Cause.UNAUTHENTICATED, why)
-        if self.in_place and msg.ipc:
-            try:
-                peer.remote = open_tensors(msg.ipc)
-                peer.dst_limits = self._check_remote(peer.remote)
-            except Exception as e:  # a bad description, another host, no peer access: say so
-                why = f"cannot open decode's CUDA IPC handles: {type(e).__name__}: {e}"
-                return self._handshake_failed(peer, P.Cause.IPC, why)
+        try:  # what decode offers (cuda_ipc: its cache tensors) makes the peer's link
+            peer.link = self.backend.link(msg.ipc, self.worker)
+        except LinkError as e:
+            return self._handshake_failed(peer, P.Cause.IPC, str(e))
         self._authenticated(conn)
         peer.ready.set()
 
@@ -181,32 +156,12 @@ class PrefillSender(TransferAgent):
             self.secret, role, peer.nonce, peer.decode_nonce, self.instance_id, peer.instance_id
         )
 
-    def _check_remote(self, remote: dict) -> tuple[int, int]:
-        """Decode's shared tensors are the byte rows of exactly our cache kinds; returns how many
-        pages and state slots they hold (what decode's reservations may name)."""
-        if set(remote) != set(self.kind_by_name):
-            raise ValueError(f"decode shares {sorted(remote)[:4]}.., not this layout's kinds")
-        pages = slots = 1 << 62
-        for name, t in remote.items():
-            k = self.kind_by_name[name]
-            mine = k.byte_rows
-            if t.dtype != mine.dtype or t.dim() != 2 or t.shape[1] != mine.shape[1]:
-                raise ValueError(
-                    f"{name}: decode shares {t.dtype} {tuple(t.shape)}, "
-                    f"rows here are {mine.dtype} [*, {mine.shape[1]}]"
-                )
-            if k.unit == SLOT:
-                slots = min(slots, t.shape[0])
-            else:
-                pages = min(pages, t.shape[0] // k.tensor.shape[1])
-        return pages, slots
-
     def _skip_problem(self, t: PrefillTransfer, ack: P.ReserveAck) -> str:
         """Decode may skip only whole pages of the prompt, never its last token (a piece must
         start where a page does, and decode needs at least the rows after its cached prefix).
         Per-request state (DeepSeek-V4's compressor slot) is sent for the whole prompt anyway:
         decode continues from it, its cached pages only spare the paged rows."""
-        n, page = len(t.req.prompt_ids), self.engine.runner.page_size
+        n, page = len(t.req.prompt_ids), self.worker.page_size
         skip = ack.skip_tokens
         if skip and (skip >= n or skip % page):
             return (
@@ -215,17 +170,9 @@ class PrefillSender(TransferAgent):
         return ""
 
     def _destination_problem(self, t: PrefillTransfer, ack: P.ReserveAck) -> str:
-        """cuda_ipc writes land where decode's ack says: every page and the slot must exist."""
-        if t.peer.remote is None:
-            return ""
-        need = pages_for(len(t.req.prompt_ids), self.engine.runner.page_size)
-        pages, slots = t.peer.dst_limits
-        if len(ack.pages) < need or any(p >= pages for p in ack.pages) or ack.slot >= slots:
-            return (
-                f"decode's reservation ({len(ack.pages)} pages, slot {ack.slot}) does not fit "
-                f"a {need}-page prompt in its {pages} pages and {slots} slots"
-            )
-        return ""
+        """A link that writes into decode's memory checks where decode's ack says they land."""
+        need = pages_for(len(t.req.prompt_ids), self.worker.page_size)
+        return t.peer.link.destination_problem(ack.pages, ack.slot, need)
 
     def _on_bad_message(self, conn: Connection, why: str) -> None:
         peer = self._handshakes.get(conn)
@@ -334,7 +281,8 @@ class PrefillSender(TransferAgent):
             pd,
             P.prefill_machine(c.bootstrap_timeout_s, c.transfer_timeout_s, c.bootstrap_timeout_s),
         )
-        t.corrupt = self._fault_rng.random() < self.cfg.test_corrupt_p
+        if self.faults is not None:  # TEST ONLY
+            t.fault = self.faults.piece_fault()
         self.transfers[req.rid] = t
         addr = pd.decode_addr
         peer = self.peers.get(addr)
@@ -391,7 +339,7 @@ class PrefillSender(TransferAgent):
         except ConnectionError as e:
             self._fail(t, P.Cause.PEER_LOST, str(e), notify=False)
         finally:
-            self.engine.scheduler.finish(req, "transferred")  # pages are copied out (or useless)
+            self.sched.finish(req, "transferred")  # pages are copied out (or useless)
         t.first = out
         return True
 
@@ -420,70 +368,25 @@ class PrefillSender(TransferAgent):
             self._send_piece(t, kinds, 0, len(t.req.prompt_ids))
 
     def _send_piece(self, t: PrefillTransfer, kinds: list, start: int, end: int) -> None:
-        req, runner = t.req, self.engine.runner
-        n = len(req.prompt_ids)
-        rows = piece_rows(
-            kinds, req.pages, req.state_slot, runner.page_size, start, end, n, t.resume_rows
-        )
-        if t.peer.remote is not None:
-            return self._write_in_place(t, kinds, rows, start, end)
+        """Move the rows through the peer's link, then send the header that names them."""
+        if t.peer.conn.closed:  # an in-place write could land in pages decode gave away since
+            raise ConnectionError("connection to decode lost while sending KV")
+        req, link = t.req, t.peer.link
         began = time.monotonic()
-        if kinds[0].shard[1] > 1:  # dense TP: each rank holds its KV heads (engine/tp_gather.py)
-            args = (kinds, req.pages, req.state_slot, start, end, n, t.resume_rows)
-            buf = runner.gather_piece(*args)
-        else:
-            buf = gather(kinds, rows)
+        piece = Piece(
+            kinds, start, end, len(req.prompt_ids), t.resume_rows, req.pages, req.state_slot,
+            t.dst_pages, t.dst_slot,
+        )  # fmt: skip
+        moved = link.move(piece, t.fault)
         hdr = P.ChunkHeader(
-            t.pd.transfer_id,
-            req.rid,
-            [k.name for k in kinds],
-            start,
-            end,
-            buf.nbytes,
-            P.checksum([buf]) if self.cfg.checksum else None,
-        )
-        if t.corrupt and buf.nbytes >= 16:  # 16 whole bytes: exponents too, never benign
-            t.corrupt = False  # the first non-empty piece only
-            corrupted = bytearray(buf)
-            mid = len(corrupted) // 2
-            corrupted[mid : mid + 16] = bytes(b ^ 0xFF for b in corrupted[mid : mid + 16])
-            buf = memoryview(corrupted)
-        if not self._send(t.peer.conn, hdr, [buf]):
+            t.pd.transfer_id, req.rid, [k.name for k in kinds], start, end, moved.nbytes,
+            moved.checksum, in_place=link.in_place,
+        )  # fmt: skip
+        if not self._send(t.peer.conn, hdr, moved.buffers):
             raise ConnectionError("connection to decode lost while sending KV")
         t.pieces += 1
         t.send_s += time.monotonic() - began
-        self._count_bytes(buf.nbytes, in_place=False)
-
-    def _write_in_place(self, t: PrefillTransfer, kinds: list, rows: list, start: int, end: int):
-        """cuda_ipc: copy the rows straight into decode's pages, then send only the header."""
-        if t.peer.conn.closed:  # decode may have given these pages to another request by now
-            raise ConnectionError("connection to decode lost while sending KV")
-        began, n = time.monotonic(), len(t.req.prompt_ids)
-        dst = piece_rows(
-            kinds, t.dst_pages, t.dst_slot, self.engine.runner.page_size, start, end, n,
-            t.resume_rows,
-        )  # fmt: skip
-        parts = []
-        for k, src_r, dst_r in zip(kinds, rows, dst, strict=True):
-            src, peer_rows = k.byte_rows.index_select(0, src_r), t.peer.remote[k.name]
-            peer_rows.index_copy_(0, dst_r.to(peer_rows.device), src.to(peer_rows.device))
-            parts.append(src.reshape(-1))
-        data = torch.cat(parts)
-        if t.corrupt and data.numel() >= 16:  # TEST ONLY: damage what decode will read
-            t.corrupt = False
-            k, r = next((k, r) for k, r in zip(kinds, dst, strict=True) if len(r))
-            t.peer.remote[k.name][r[0], :16] ^= 0xFF
-        if data.device.type == "cuda":
-            torch.cuda.synchronize(data.device)  # decode reads the rows once the header arrives
-        hdr = P.ChunkHeader(
-            t.pd.transfer_id, t.req.rid, [k.name for k in kinds], start, end, data.numel(),
-            device_checksum(data) if self.cfg.checksum else None, in_place=True,
-        )  # fmt: skip
-        if not self._send(t.peer.conn, hdr):
-            raise ConnectionError("connection to decode lost while sending KV")
-        t.pieces += 1
-        t.send_s += time.monotonic() - began
-        self._count_bytes(data.numel(), in_place=True)
+        self._count_bytes(moved.nbytes, link.name)
 
     def abort(self, rid: str) -> bool:
         t = self.transfers.pop(rid, None)
@@ -544,7 +447,7 @@ class PrefillSender(TransferAgent):
             t.resume_rows = msg.resume_rows
             t.acked = time.monotonic()
             t.sm.to(TState.PREFILLING)
-            self.engine.scheduler.add(t.req)
+            self.sched.admit(t.req)
         elif isinstance(msg, P.TransferDone):
             if t.sm.state != TState.SENDING:
                 return self._fail(
@@ -555,7 +458,7 @@ class PrefillSender(TransferAgent):
             self._observe("transfer", time.monotonic() - t.acked)  # ack -> decode installed all
             self._observe("send", t.send_s)
             out = msgspec.structs.replace(t.first, finish_reason="transferred")
-            self.engine.emit(out)
+            self.sched.emit(out)
             log.debug("transfer done rid=%s transfer_id=%s", t.req.rid, t.pd.transfer_id)
         elif isinstance(msg, P.Failure):
             self._fail(
@@ -569,7 +472,7 @@ class PrefillSender(TransferAgent):
     def _fail(self, t: PrefillTransfer, cause: str, message: str, notify: bool = True) -> None:
         state = t.sm.state.value
         if t.sm.state == TState.PREFILLING:  # only then is it in the scheduler, holding pages
-            self.engine.scheduler.finish(t.req, "error")
+            self.sched.finish(t.req, "error")
         if not t.sm.final:
             t.sm.to(TState.FAILED)
         self.transfers.pop(t.req.rid, None)

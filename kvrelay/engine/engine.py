@@ -13,8 +13,11 @@ from kvrelay.cache.host_tier import HostTier, build_host_tier
 from kvrelay.config import EngineConfig
 from kvrelay.engine import grammar as grammar_mod
 from kvrelay.engine.drafter import make_drafter
+from kvrelay.engine.faults import engine_faults
 from kvrelay.engine.grammar import GrammarBackend, GrammarError
 from kvrelay.engine.messages import AddRequest, EngineStats, RequestOutput, StepOutputs
+from kvrelay.engine.pd_connector import AgentFactory, PDAgent, load_agent_factory
+from kvrelay.engine.pd_sides import EngineSchedulerSide, RunnerWorkerSide
 from kvrelay.engine.request import Request
 from kvrelay.engine.runner import make_runner
 from kvrelay.engine.sampler import sample
@@ -29,7 +32,11 @@ log = logging.getLogger("kvrelay.engine")
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, src: ModelSource | None = None) -> None:
+    def __init__(
+        self, cfg: EngineConfig, src: ModelSource | None = None,
+        make_agent: AgentFactory | None = None,
+    ) -> None:  # fmt: skip
+        """`make_agent`: builds a PD role's transfer agent (None: pd_connector.AGENT_FACTORY)."""
         self.cfg = cfg
         self.src = src or resolve(cfg.model, cfg.load_format, cfg.tokenizer)
         self.runner = make_runner(cfg, self.src)
@@ -58,21 +65,18 @@ class Engine:
             self.src, self.src.config.vocab_size, sorted(self.eos_ids)
         )  # llguidance: built on the first grammar-constrained request
         self._rng = random.Random(cfg.seed)
+        # TEST ONLY (engine/faults.py): None unless a fault flag is set
+        self.faults = engine_faults(cfg, self._rng, self.src.config.vocab_size)
         self._pending: list[RequestOutput] = []
         self.last_step_ms = 0.0
         self.profiler = StepProfiler(self.runner.device)
         self.profile_every = cfg.step_profile_every  # 0: no step is profiled
         self._batch_steps = 0  # steps that ran a batch, for profile_every
         self.failed_steps = 0  # batch steps in a row whose forward raised
-        self.agent = None  # PD transfer agent (prefill: sender, decode: receiver)
-        if cfg.role == "prefill":
-            from kvrelay.disagg.sender import PrefillSender
-
-            self.agent = PrefillSender(self)
-        elif cfg.role == "decode":
-            from kvrelay.disagg.receiver import DecodeReceiver
-
-            self.agent = DecodeReceiver(self)
+        self.agent: PDAgent | None = None  # PD transfer agent (prefill: sender, decode: receiver)
+        if cfg.role in ("prefill", "decode"):
+            make = make_agent or load_agent_factory()
+            self.agent = make(cfg, EngineSchedulerSide(self), RunnerWorkerSide(self))
 
     def _prefix_cache_choice(self) -> str:
         """'on', or why the prefix cache is off."""
@@ -271,12 +275,8 @@ class Engine:
         every, self._batch_steps = self.profile_every, self._batch_steps + 1
         profile = self.profiler if every > 0 and self._batch_steps % every == 0 else None
         try:
-            if 0 < self.cfg.fault_sticky_error_after <= self._batch_steps:
-                raise RuntimeError(
-                    "CUDA error: an illegal memory access was encountered (test fault)"
-                )
-            if self.cfg.test_step_delay_s > 0:
-                time.sleep(self.cfg.test_step_delay_s)
+            if self.faults is not None:
+                self.faults.before_forward(self._batch_steps)
             if self.host_tier is not None:  # the gate: host-tier copies land before any read
                 self.host_tier.gate.wait()
             step = self.runner.forward_step(batch, profile)
@@ -300,7 +300,7 @@ class Engine:
         for req, entries in step.prompt:
             req.prompt_lp += entries
         self.scheduler.advance(batch)
-        fault = self._fault_active(len(batch))
+        fault = self.faults is not None and self.faults.swaps(len(batch))
         for i, req in enumerate(sampling):
             prompt_lp = None
             if req.params.prompt_logprobs is not None and not req.output_ids:
@@ -342,8 +342,8 @@ class Engine:
         for j, tok in enumerate(em.tokens):
             last = j == len(em.tokens) - 1
             # (only a span's last token: the KV of those before it is computed already)
-            if fault and last and self._rng.random() < self.cfg.fault_swap_token_p:
-                tok = (tok + 1) % self.src.config.vocab_size
+            if fault and last:
+                tok = self.faults.swap(tok)
             lp, top = em.logprobs[j], em.top_logprobs[j]
             out = RequestOutput(
                 req.rid,
@@ -377,11 +377,8 @@ class Engine:
             if reason is not None:
                 return
 
-    def _fault_active(self, batch_size: int) -> bool:
-        return self.cfg.fault_swap_token_p > 0 and batch_size > self.cfg.fault_swap_token_min_batch
-
     def stop_reason(self, req: Request, tok: int) -> str | None:
-        """Why req stops after appending `tok` (None: it goes on); the PD receiver asks too."""
+        """Why req stops after appending `tok` (None: it goes on); a transferred first token too."""
         p = req.params
         if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             return "stop"

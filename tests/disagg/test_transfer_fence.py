@@ -20,6 +20,7 @@ from fake_peer import FakePeer, authenticate_as_prefill
 
 from kvrelay.disagg import protocol as P
 from kvrelay.disagg.protocol import Cause, TState
+from kvrelay.disagg.transport.in_place import InPlaceIntake, InPlaceLink
 from kvrelay.engine.engine import Engine, generate
 from kvrelay.engine.messages import AddRequest, PDParams
 
@@ -52,10 +53,11 @@ def _tokens(outs) -> list[int]:
 def _share_in_place(p: Engine, d: Engine) -> None:
     """From now on prefill writes rows straight into decode's cache tensors, as it does over
     CUDA IPC (in one process the tensors themselves are shared; only headers go over TCP)."""
+    shared = {k.name: k.byte_rows for k in d.agent.kinds}
+    checksum = p.agent.cfg.checksum
     peer = p.agent.peers[d.agent.addr]
-    peer.remote = {k.name: k.byte_rows for k in d.agent.kinds}
-    peer.dst_limits = (d.runner.num_pages, 1)
-    d.agent.in_place = True
+    peer.link = InPlaceLink(shared, p.agent.kinds, p.runner.page_size, checksum)
+    d.agent.intakes[True] = InPlaceIntake(checksum)
 
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["in_place", "tcp"])

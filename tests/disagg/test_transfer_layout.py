@@ -8,9 +8,14 @@ import torch
 
 from kvrelay.cache.host_gate import page_tensors
 from kvrelay.config import CacheConfig, EngineConfig
-from kvrelay.disagg.agent import engine_layout
+from kvrelay.disagg.agent import cache_layout
 from kvrelay.disagg.layout import PAGE, SLOT, CacheKind, fingerprint, layout_difference
 from kvrelay.engine.engine import Engine
+from kvrelay.engine.pd_sides import RunnerWorkerSide
+
+
+def engine_layout(engine: Engine) -> tuple[list[CacheKind], list[str]]:
+    return cache_layout(RunnerWorkerSide(engine))
 
 
 def _engine(model: str, **cache) -> Engine:

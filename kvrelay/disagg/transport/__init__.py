@@ -1,18 +1,23 @@
-"""Transfer backends behind one interface (base.py): tcp now; NIXL and others later."""
+"""Transfer backends behind one interface (base.py): tcp (framed.py) and cuda_ipc (in_place.py);
+NIXL and others later."""
 
 from __future__ import annotations
 
-from kvrelay.disagg.transport.base import Transport
+from typing import TYPE_CHECKING
+
+from kvrelay.disagg.transport.base import Backend
+
+if TYPE_CHECKING:
+    import torch
 
 
-def make_transport(name: str) -> Transport:
+def make_backend(name: str, checksum: bool, device: torch.device) -> Backend:
     if name == "tcp":
-        from kvrelay.disagg.transport.tcp import TcpTransport
+        from kvrelay.disagg.transport.framed import TcpBackend
 
-        return TcpTransport()
+        return TcpBackend(checksum)
     if name == "cuda_ipc":
-        # Frames (headers) still go over TCP; the agents write the rows through CUDA IPC.
-        from kvrelay.disagg.transport.tcp import TcpTransport
+        from kvrelay.disagg.transport.in_place import CudaIpcBackend
 
-        return TcpTransport()
+        return CudaIpcBackend(checksum, device)
     raise ValueError(f"unknown transfer backend {name!r} (available: tcp, cuda_ipc)")

@@ -1,15 +1,31 @@
-"""The transfer-backend interface: framed messages (header bytes + payload buffers) between peers.
+"""The transfer-backend interface, in two layers.
 
-The protocol layer above never sees sockets and the backend never sees tensors: a header is opaque
-bytes, a payload is a sequence of bytes-like buffers. A backend that moves payloads another way
-(NIXL writing into registered device memory) keeps this surface: headers still travel as frames,
-and `send` delivers the payload however the backend can.
+Frames (`Transport`, `Connection`): messages (header bytes + payload buffers) between peers. The
+protocol layer above never sees sockets and this layer never sees tensors: a header is opaque
+bytes, a payload is a sequence of bytes-like buffers.
+
+Pieces (`Backend`, `PieceLink`, `PieceIntake`): how one KV piece's bytes get from prefill's pools
+into decode's. Prefill's `PieceLink` (one per decode peer, chosen at the handshake) moves them:
+tcp gathers them to host bytes that travel as the frame's payload, cuda_ipc writes them straight
+into decode's pages. Decode's `PieceIntake` (one per way a piece can come: ChunkHeader.in_place)
+checks them and installs them: tcp through the engine's worker side, cuda_ipc verifies the rows
+prefill wrote. The sender and receiver state machines only ever call these; a NIXL backend is
+one more `Backend` (registered device memory + remote writes, headers still as frames).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvrelay.cache.spec import CacheKind
+    from kvrelay.disagg.protocol import ChunkHeader, IpcTensor
+    from kvrelay.engine.pd_connector import WorkerSide
 
 Buffer = bytes | bytearray | memoryview
 
@@ -56,3 +72,119 @@ class Transport(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+
+# -- pieces ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A piece prefill moves: the rows of `kinds` that prompt tokens [start, end) filled (a slot
+    kind: its state after the whole prompt), read from `pages`/`slot` (prefill's) and landing in
+    `dst_pages`/`dst_slot` (decode's, from its reservation ack)."""
+
+    kinds: list[CacheKind]
+    start: int
+    end: int
+    prompt_len: int
+    resume_rows: bool  # also the window rows a later hit on decode's cached pages reads
+    pages: list[int]
+    slot: int
+    dst_pages: list[int]
+    dst_slot: int
+
+
+@dataclass
+class Moved:
+    """What a link did with a piece: its size and checksum (for the header), and the frame's
+    payload (empty when the bytes went another way)."""
+
+    nbytes: int
+    checksum: int | None
+    buffers: list[Buffer] = field(default_factory=list)
+
+
+class PieceFault(Protocol):
+    """TEST ONLY (disagg/faults.py): damage to one piece's bytes after their checksum was taken,
+    where decode will read them; a link calls it only when the transfer was given one."""
+
+    def fires(self, nbytes: int) -> bool:
+        """Damage this piece (of `nbytes` bytes)?"""
+        ...
+
+    def damaged(self, buf: memoryview) -> memoryview:
+        """A damaged copy of a payload."""
+        ...
+
+    def damage(self, row: torch.Tensor) -> None:
+        """Damage one row (uint8) in place."""
+        ...
+
+
+class LinkError(Exception):
+    """A decode peer's offer (Auth.ipc) cannot be used: the handshake fails with cause ipc."""
+
+
+class PieceLink(ABC):
+    """Prefill: how pieces' bytes reach one decode peer."""
+
+    name: str  # the backend the bytes count under (pd_bytes metrics)
+    in_place: bool  # ChunkHeader.in_place: the rows are in decode's pages when the header arrives
+
+    def destination_problem(self, pages: list[int], slot: int, need_pages: int) -> str:
+        """Why decode's reservation (pages, slot) cannot take a `need_pages`-page prompt's
+        writes ("" when it can)."""
+        return ""
+
+    @abstractmethod
+    def move(self, piece: Piece, fault: PieceFault | None) -> Moved:
+        """Move the piece's bytes (its header, built from the result, goes next; a write into
+        decode's memory must be complete before). Engine thread."""
+
+
+class PieceIntake(ABC):
+    """Decode: how pieces that came one way are checked and installed."""
+
+    name: str  # the backend the bytes count under (pd_bytes metrics)
+
+    def arrived_ok(self, h: ChunkHeader, payload: memoryview) -> bool:
+        """On the transport thread, as the frame arrives: its payload's size and checksum."""
+        return True
+
+    @abstractmethod
+    def problem(
+        self, h: ChunkHeader, payload: memoryview | None, arrived_ok: bool,
+        kinds: list[CacheKind], rows: list[torch.Tensor], expected: int,
+    ) -> tuple[str, str] | None:  # fmt: skip
+        """(cause, message) when the piece's bytes are not the `expected` bytes of `rows`."""
+
+    @abstractmethod
+    def install(
+        self, kinds: list[CacheKind], pages: list[int], slot: int, start: int, end: int,
+        prompt_len: int, resume_rows: bool, payload: memoryview | None,
+    ) -> None:  # fmt: skip
+        """Put a checked piece into decode's pools (nothing when it is there already)."""
+
+
+class Backend(ABC):
+    """One transfer backend: its frames, what decode offers prefill at the handshake, the link
+    prefill makes of that offer, and the ways decode takes pieces in."""
+
+    name: str
+    transport: Transport
+
+    def offer(self, kinds: list[CacheKind]) -> list[IpcTensor]:
+        """Decode, in its Auth: the memory prefill may write pieces into (none: [])."""
+        return []
+
+    @abstractmethod
+    def link(self, offer: list[IpcTensor], worker: WorkerSide) -> PieceLink:
+        """Prefill, from decode's Auth: how pieces reach that peer; raises LinkError."""
+
+    @abstractmethod
+    def intakes(self, worker: WorkerSide) -> dict[bool, PieceIntake]:
+        """Decode: the intake for each ChunkHeader.in_place value."""
+
+
+def checksum_mismatch(h: ChunkHeader) -> str:
+    return f"checksum mismatch on {h.kinds[0]}.. tokens [{h.token_start}, {h.token_end})"
