@@ -18,9 +18,10 @@ from kvrelay.spec.ngram import NgramIndex
 
 def check_supported(spec: SpeculativeConfig, family_name: str, family_cls) -> None:
     """Refuse (ValueError) a speculative configuration this engine cannot run exactly, before any
-    weight is read. A family speculates only where its runner says that a rejected draft leaves
-    no trace (`supports_speculation`): dense KV pages are simply overwritten later, while
-    DeepSeek-V4's compressor windows, sliding-window rows and indexer keys need a rollback."""
+    weight is read. A family speculates only where its runner says how a rejected draft leaves
+    no trace (`speculation`, models/base.py): dense KV pages are simply overwritten later
+    ("overwrite"); DeepSeek-V4's compressor windows are put back as they were before the verify
+    step ("rollback")."""
     if spec.algorithm == "none":
         return
     if spec.algorithm == "mtp":
@@ -29,7 +30,7 @@ def check_supported(spec: SpeculativeConfig, family_name: str, family_cls) -> No
         )
     if spec.algorithm != "ngram":
         raise ValueError(f"unknown --speculative-algorithm {spec.algorithm!r} (none | ngram)")
-    if not getattr(family_cls, "supports_speculation", False):
+    if getattr(family_cls, "speculation", "") not in ("overwrite", "rollback"):
         raise ValueError(
             f"--speculative-algorithm ngram is not supported for {family_name} models yet "
             "(their per-request state has no rollback of rejected drafts); serve without it"

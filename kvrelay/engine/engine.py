@@ -370,7 +370,8 @@ class Engine:
             out.finish_reason = reason
             if s.draft and (last or reason is not None):
                 # Before finishing: the prefix cache takes only computed, accepted KV.
-                self.scheduler.settle_verified(req)
+                rolled_back = self.runner.after_verify(req, em.accepted < len(s.draft))
+                self.scheduler.settle_verified(req, rolled_back, _known(s))
             if reason is not None:
                 self.scheduler.finish(req, reason)
             outputs.append(out)

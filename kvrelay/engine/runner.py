@@ -184,6 +184,14 @@ class ModelRunner:
         return StepLogits(logits, prompt_logprobs.score(hidden, head, vocab, rows))
 
     @torch.inference_mode()
+    def after_verify(self, req, rejected: bool) -> bool:
+        """req's verify step is settled; where a draft was `rejected` and the family rolls its
+        state back (models/base.py `speculation`), it does so: True if it did."""
+        rolled_back = rejected and self.family.speculation == "rollback"
+        self.family.after_verify(req, rolled_back)
+        return rolled_back
+
+    @torch.inference_mode()
     def forward_inputs(self, inputs, profile: StepProfiler | None = None) -> torch.Tensor:
         """The sampled rows' logits of a prepared step: replayed from a graph when one covers
         it, else eagerly (benchmarks time this alone)."""

@@ -384,7 +384,10 @@ class Scheduler:
                 continue
             decoders -= req.num_uncomputed == 1
             n = min(req.num_uncomputed, budget)
-            if n > 1:  # a prefill chunk: within what the decoding requests leave it
+            # A prefill chunk: within what the decoding requests leave it. (Past its prompt, a
+            # request computes again what a rolled-back verify step committed: decode work.)
+            prefill = n > 1 and req.num_computed < len(req.prompt_ids)
+            if prefill:
                 n = min(n, prefill_left)
                 if n == 0:
                     continue
@@ -403,7 +406,7 @@ class Scheduler:
                     draft = self._draft(req, budget - 1 - decoders)
                 batch.append(ScheduledRequest(req, n + len(draft), draft))
                 budget -= n + len(draft)
-                if n > 1:
+                if prefill:
                     prefill_left -= n
         budget = self.cfg.max_num_batched_tokens - sum(s.num_new_tokens for s in batch)
         budget = min(budget, prefill_left)  # what waits is prefill
@@ -459,13 +462,19 @@ class Scheduler:
             return []
         return draft
 
-    def settle_verified(self, req: Request) -> None:
+    def settle_verified(self, req: Request, rolled_back: bool = False, known: int = 1) -> None:
         """After a verify step committed req's accepted drafts and its bonus (or correction)
         token: the KV of every committed token but the last is computed (the rejected drafts'
         rows beyond are overwritten when their positions are computed again). Its pages stay
         (later steps fill them); its prefix-cache insert reads num_computed, so a page holding
-        a rejected draft's row is never registered."""
-        req.num_computed = req.num_tokens - 1
+        a rejected draft's row is never registered. `rolled_back` (a "rollback" family put its
+        state back as it was before the step, whose `known` tokens were not drafts): nothing
+        of the step counts as computed; the next step computes its committed tokens again,
+        without drafts (it commits all it computes, so the request always moves on)."""
+        if rolled_back:
+            req.num_computed -= known
+        else:
+            req.num_computed = req.num_tokens - 1
 
     def _prefill_cap(self) -> int:
         """Prefill tokens this step may carry: the whole budget, or with a PrefillBudget what

@@ -139,6 +139,18 @@ class Runnable(Protocol):
         """Anything a request's state needs before this step reads it (rank 0 only)."""
         ...
 
+    # Speculative decoding (engine/drafter.py), as a class attribute: "overwrite" (a request's
+    # state is its KV pages: a rejected draft's rows are overwritten when their positions are
+    # computed again), "rollback" (it keeps per-request state that a rejected draft would
+    # corrupt: `after_verify` puts back the state from before the step, and the request
+    # computes its committed tokens again) or "" (no speculation).
+    speculation: str
+
+    def after_verify(self, req: Request, rolled_back: bool) -> None:
+        """A verify step's drafts were settled for req: with "rollback", restore its state
+        from before the step where `rolled_back` (some draft was rejected)."""
+        ...
+
     def warm_up(self, graphs: GraphRunner | None) -> None:
         """Compile before the engine reports ready (a no-op where nothing compiles)."""
         ...

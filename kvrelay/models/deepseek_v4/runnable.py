@@ -29,6 +29,12 @@ log = logging.getLogger("kvrelay.runner")
 
 
 class DeepseekV4Runnable:
+    # A request's compressor windows live in its state slot, where a rejected draft that
+    # reached a window would stay: the slot is copied before a verify step and copied back
+    # where a draft was rejected (the request then computes its committed tokens again). Its
+    # KV rows, compressed entries and index keys past the committed length are overwritten.
+    speculation = "rollback"
+
     def __init__(
         self, cfg: EngineConfig, model_cfg: DeepseekV4Config, model, device: torch.device,
         dtype: torch.dtype, tp: TPGroup,
@@ -47,6 +53,7 @@ class DeepseekV4Runnable:
         self.ops: AttentionOps | None = None
         self.kernels: LayerKernels | None = None
         self.pool: DeepseekV4CachePool | None = None
+        self._before_verify: dict[int, list[torch.Tensor]] = {}  # slot -> its state, copied
 
     @staticmethod
     def check(cfg: EngineConfig, model_cfg: DeepseekV4Config, device: torch.device) -> None:
@@ -129,6 +136,16 @@ class DeepseekV4Runnable:
             r = s.req
             if r.matched_tokens and r.num_computed == r.matched_tokens:
                 self.pool.restore_slot(r.state_slot, r.pages[r.matched_tokens // p - 1])
+        self._before_verify = {
+            s.req.state_slot: self.pool.copy_slot(s.req.state_slot)
+            for s in batch
+            if getattr(s, "draft", None)
+        }
+
+    def after_verify(self, req, rolled_back: bool) -> None:
+        saved = self._before_verify.pop(req.state_slot, None)
+        if rolled_back and saved is not None:
+            self.pool.load_slot(req.state_slot, saved)
 
     def warm_up(self, graphs) -> None:
         from kvrelay.models.deepseek_v4.warm_up import warm_up
@@ -161,6 +178,11 @@ class DeepseekV4Runnable:
 
 def check_parallel(cfg: EngineConfig, device: torch.device) -> None:
     """DeepSeek-V4 TP/EP runs the torch path on the CPU (gloo) only, so far: refuse the rest."""
+    if cfg.speculative.algorithm != "none" and cfg.tensor_parallel_size > 1:
+        raise ValueError(
+            "speculative decoding is not supported for DeepSeek-V4 with tensor parallel yet "
+            "(the other ranks' state slots have no rollback of rejected drafts)"
+        )
     if cfg.expert_parallel and cfg.tensor_parallel_size < 2:
         raise ValueError("--expert-parallel needs --tensor-parallel-size 2 or more")
     if cfg.ep_dispatch != "all-reduce" and not cfg.expert_parallel:

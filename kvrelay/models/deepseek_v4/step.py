@@ -55,17 +55,20 @@ def from_wire(header: list[int], payload: torch.Tensor) -> Dsv4Step:
 
 
 def plan_step(batch: list[Scheduled], all_rows: bool, extra: list[int]) -> Dsv4Step:
-    """The step of `batch`: each sampling request's last row is wanted (every row if
-    `all_rows`), then the `extra` rows (prompt logprobs)."""
+    """The step of `batch`: each sampling request's last row is wanted (with drafts: its last
+    known token's row and each draft's; every row if `all_rows`), then the `extra` rows
+    (prompt logprobs)."""
     ids: list[int] = []
     sampled: list[int] = []
     for s in batch:
         first, start = len(ids), s.req.num_computed
-        ids += s.req.token_slice(start, start + s.num_new_tokens)
+        draft = getattr(s, "draft", ())  # speculative decoding: drafted tokens after the known
+        ids += s.req.token_slice(start, start + s.num_new_tokens - len(draft))
+        ids += draft
         if all_rows:
             sampled += range(first, len(ids))
         elif s.samples:
-            sampled.append(len(ids) - 1)
+            sampled += range(len(ids) - 1 - len(draft), len(ids))
     return Dsv4Step(
         ids,
         [s.req.num_computed for s in batch],

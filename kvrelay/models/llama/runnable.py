@@ -22,7 +22,7 @@ from kvrelay.models.llama.step import ForwardBatch, from_wire, prepare
 class DenseRunnable:
     # Speculative decoding (engine/drafter.py): a request's state is its KV pages, so a rejected
     # draft's rows are simply overwritten when their positions are computed again.
-    supports_speculation = True
+    speculation = "overwrite"
 
     def __init__(
         self, cfg: EngineConfig, model_cfg: ModelConfig, model, device: torch.device,
@@ -115,6 +115,9 @@ class DenseRunnable:
 
     def before_step(self, batch: list[Scheduled]) -> None:
         """A dense request's state is its KV pages: nothing to restore."""
+
+    def after_verify(self, req, rolled_back: bool) -> None:
+        """Rejected drafts' rows are overwritten later: nothing to undo."""
 
     def warm_up(self, graphs) -> None:
         """The graphs' capture compiled what decode runs; prefill compiles nothing lazily."""

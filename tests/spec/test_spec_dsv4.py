@@ -1,0 +1,159 @@
+"""Speculative decoding on DeepSeek-V4 (dsv4-tiny, random weights, float32 on CPU, QAT off, in
+process):
+a rejected draft leaves no trace in any state the model keeps.
+
+A verify step runs the drafts through every layer: their sliding-window rows, the compressors'
+open windows (CSA ratio 4 with overlap, HCA ratio 16 here), the entries of windows they close and
+the indexer's keys. The runner copies each drafting request's state slot before the step and,
+where a draft was rejected, copies it back; the request then computes its committed tokens again.
+Checked directly with drafts built from the plain engine's own greedy output with one planted
+error at every offset (so that steps accept all, some or none of the drafts, and the rejected
+ones fall on window ends of both ratios): the tokens and logprobs are the plain engine's, every
+page and slot is accounted for afterwards. (The n-gram drafter on real weights:
+test_spec_dsv4_served.py; random weights rarely repeat themselves.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from kvrelay.engine.engine import Engine, generate
+from kvrelay.engine.messages import SamplingParams
+from kvrelay.weights.loader import resolve
+
+K = 4
+NGRAM = SpeculativeConfig(algorithm="ngram", num_draft_tokens=K)
+# QAT off (as in test_dsv4_engine): its FP8/FP4 roundings turn the ulps by which rows computed in
+# chunks of another size differ into whole rounding steps (logprobs 1e-3 apart, measured)
+_SRC = resolve("dsv4-tiny", "dummy")
+SRC = dataclasses.replace(_SRC, config=_SRC.config.with_(qat_simulation=False))
+VOCAB = SRC.config.vocab_size
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops: threads only contend
+
+
+def _engine(spec: SpeculativeConfig | None = None, backend: str = "auto") -> Engine:
+    cfg = EngineConfig(
+        model="dsv4-tiny",
+        load_format="dummy",
+        device="cpu",
+        dtype="float32",
+        attention_backend=backend,
+        cache=CacheConfig(page_size=16, max_total_tokens=8192),
+        scheduler=SchedulerConfig(max_num_batched_tokens=256, kv_reserve_ratio=0.0),
+    )
+    if spec is not None:
+        cfg = dataclasses.replace(cfg, speculative=spec)
+    return Engine(cfg, SRC)
+
+
+@pytest.fixture(scope="module")
+def plain() -> Engine:
+    return _engine()
+
+
+def _prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    lens = [37, 61, 18, 90, 45, 29, 70, 52][:n]
+    return [torch.randint(0, VOCAB, (m,), generator=g).tolist() for m in lens]
+
+
+def _greedy(max_tokens: int = 40) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+
+
+def _tokens(outs) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+def _logprobs(outs) -> list[float]:
+    return [x for o in outs for x in o.logprobs or []]
+
+
+def _close(got, want) -> None:
+    """Logprobs of rows computed in chunks of other sizes (a verify step's rows, or its tokens
+    computed again after a rollback): the fp32 sums run in another order (measured: 3e-5 at
+    most); a leaked draft moves the attention's inputs themselves (an entry pooled over a
+    wrong token, a window row), and with them the logprobs by far more."""
+    assert got == pytest.approx(want, abs=1e-4)
+
+
+def _planted(want: dict[tuple[int, ...], list[int]]):
+    """A drafter proposing the plain engine's next tokens for the request's prompt, the one at
+    offset e wrong, e cycling over 0..K (K: no error, all accepted)."""
+    offsets = itertools.cycle(range(K + 1))
+
+    def propose(req, budget: int) -> list[int]:
+        out = want[tuple(req.prompt_ids)]
+        pos = len(req.output_ids)
+        room = min(K, budget, req.remaining_max_tokens - 1)
+        draft = list(out[pos : pos + room])
+        e = next(offsets)
+        if e < len(draft):
+            draft[e] = (draft[e] + 1) % VOCAB
+        return draft
+
+    return propose
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("concurrency", [1, 8])
+def test_rejected_drafts_leave_no_trace(plain, backend: str, concurrency: int) -> None:
+    ref = plain if backend == "auto" else _engine(backend=backend)
+    spec = _engine(NGRAM, backend)
+    prompts = _prompts(concurrency)
+    want = generate(ref, prompts, _greedy())
+    spec.scheduler.drafter = _planted({tuple(p): _tokens(w) for p, w in zip(prompts, want, strict=True)})
+    got = generate(spec, prompts, _greedy())
+    stats = spec.drafter.stats
+    for w, g in zip(want, got, strict=True):
+        assert _tokens(g) == _tokens(w)
+        _close(_logprobs(g), _logprobs(w))
+    # every kind of step happened: all drafts accepted, some, none
+    assert stats.num_drafts > 10 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.accepted_per_pos[K - 1] > 0 and stats.accepted_per_pos[0] < stats.num_drafts
+    spec.check_idle_integrity()
+    spec.flush_prefix_cache()
+    assert spec.scheduler.page_pool.num_used == 0
+
+
+def test_a_rejected_verify_step_leaves_the_slot_as_it_was(plain) -> None:
+    """The state slot after a step whose drafts were all rejected equals the slot before it,
+    byte for byte, while right after the forward (before the rollback) the drafts had changed
+    it: they reached the compressors' windows."""
+    spec = _engine(NGRAM)
+    ids = _prompts(1)[0]
+    want = _tokens(generate(plain, [ids], _greedy(12))[0])
+    pool, family = spec.runner.pool, spec.runner.family
+    before: dict[int, list[torch.Tensor]] = {}
+    changed, restored = [], []
+
+    def wrong(req, budget: int) -> list[int]:
+        before[req.state_slot] = pool.copy_slot(req.state_slot)  # as the step begins
+        return [(t + 1) % VOCAB for t in want[len(req.output_ids) :][: min(K, budget)]]
+
+    def after_verify(req, rolled_back: bool, settle=family.after_verify) -> None:
+        slot, was = req.state_slot, before.pop(req.state_slot)
+        changed.append(any(not torch.equal(a, b) for a, b in zip(was, pool.copy_slot(slot), strict=True)))
+        settle(req, rolled_back)
+        restored.append(all(torch.equal(a, b) for a, b in zip(was, pool.copy_slot(slot), strict=True)))
+
+    spec.scheduler.drafter = wrong
+    family.after_verify = after_verify
+    outs = generate(spec, [ids], _greedy(12))[0]
+    assert _tokens(outs) == want
+    assert spec.drafter.stats.num_accepted_tokens == 0 and len(restored) >= 4
+    assert all(restored) and all(changed)
+
+
+def test_tensor_parallel_speculation_is_refused() -> None:
+    cfg = EngineConfig(
+        model="dsv4-tiny", load_format="dummy", device="cpu", tensor_parallel_size=2,
+        speculative=NGRAM,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="not supported for DeepSeek-V4 with tensor parallel"):
+        Engine(cfg)
