@@ -1,6 +1,7 @@
-"""Builds a PD role's transfer agent from the connector's two sides (engine/pd_connector.py:
-`AGENT_FACTORY` names `make_agent`): prefill's sender or decode's receiver, with the test faults
-the config asks for installed (faults.py; none unless a test flag is set)."""
+"""Builds a PD role's transfer agent from the connector's two sides (engine/pd_connector.py's
+`AgentFactory`; the server's engine process and the in-process tests hand `make_agent` to
+Engine): prefill's sender or decode's receiver, with the test faults the config asks for
+installed (faults.py; none unless a test flag is set)."""
 
 from __future__ import annotations
 

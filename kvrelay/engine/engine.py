@@ -16,7 +16,7 @@ from kvrelay.engine.drafter import make_drafter
 from kvrelay.engine.faults import engine_faults
 from kvrelay.engine.grammar import GrammarBackend, GrammarError
 from kvrelay.engine.messages import AddRequest, EngineStats, RequestOutput, StepOutputs
-from kvrelay.engine.pd_connector import AgentFactory, PDAgent, load_agent_factory
+from kvrelay.engine.pd_connector import AgentFactory, PDAgent
 from kvrelay.engine.pd_sides import EngineSchedulerSide, RunnerWorkerSide
 from kvrelay.engine.request import Request
 from kvrelay.engine.runner import make_runner
@@ -36,7 +36,8 @@ class Engine:
         self, cfg: EngineConfig, src: ModelSource | None = None,
         make_agent: AgentFactory | None = None,
     ) -> None:  # fmt: skip
-        """`make_agent`: builds a PD role's transfer agent (None: pd_connector.AGENT_FACTORY)."""
+        """`make_agent`: builds a PD role's transfer agent (kvrelay.disagg.connector.make_agent);
+        a prefill or decode engine needs it, a single one ignores it."""
         self.cfg = cfg
         self.src = src or resolve(cfg.model, cfg.load_format, cfg.tokenizer)
         self.runner = make_runner(cfg, self.src)
@@ -75,8 +76,11 @@ class Engine:
         self.failed_steps = 0  # batch steps in a row whose forward raised
         self.agent: PDAgent | None = None  # PD transfer agent (prefill: sender, decode: receiver)
         if cfg.role in ("prefill", "decode"):
-            make = make_agent or load_agent_factory()
-            self.agent = make(cfg, EngineSchedulerSide(self), RunnerWorkerSide(self))
+            if make_agent is None:
+                raise ValueError(
+                    f"a {cfg.role} engine needs make_agent (kvrelay.disagg.connector.make_agent)"
+                )
+            self.agent = make_agent(cfg, EngineSchedulerSide(self), RunnerWorkerSide(self))
 
     def _prefix_cache_choice(self) -> str:
         """'on', or why the prefix cache is off."""

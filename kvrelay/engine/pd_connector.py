@@ -8,15 +8,14 @@ of the engine, in two small interfaces, and what the engine asks of the agent.
 - `PDAgent`: the engine's view of an agent (add, reject, abort, on_sampled, poll, stats).
 
 The agent gets these two sides, never the `Engine`. disagg/ sits above the engine (pyproject's
-layer contract), so the engine does not import it: the agents are built by a factory
-(`AgentFactory`) the engine is given, or, for the server's engine process, the one named by
-`AGENT_FACTORY`. Anchors: vLLM `kv_connector/v1/base.py` (scheduler side / worker side), SGLang
+layer contract), so the engine does not import it: a PD-role engine is given the factory that
+builds its agent (`AgentFactory`; disagg.connector.make_agent, which the server's engine process
+entry point, server/engine_client.py, and the in-process tests pass in). Anchors: vLLM `kv_connector/v1/base.py` (scheduler side / worker side), SGLang
 `disaggregation/base/conn.py`.
 """
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
@@ -132,12 +131,3 @@ class PDAgent(Protocol):
 
 
 AgentFactory = Callable[["EngineConfig", SchedulerSide, WorkerSide], PDAgent]
-
-# The factory a PD-role engine uses when it is given none (the server's engine process): named,
-# not imported, because disagg/ sits above the engine.
-AGENT_FACTORY = "kvrelay.disagg.connector:make_agent"
-
-
-def load_agent_factory(name: str = AGENT_FACTORY) -> AgentFactory:
-    module, _, attr = name.partition(":")
-    return getattr(importlib.import_module(module), attr)

@@ -21,6 +21,7 @@ from kvrelay.engine.messages import (
     StepOutputs,
     ToEngine,
 )
+from kvrelay.engine.pd_connector import AgentFactory
 from kvrelay.engine.process_setup import die_with_parent, exit_now, setup_logging
 
 log = logging.getLogger("kvrelay.engine")
@@ -37,7 +38,11 @@ def _add_pd_stats(stats: EngineStats, agent) -> EngineStats:
     return stats
 
 
-def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str) -> None:
+def engine_main(
+    cfg: EngineConfig, in_addr: str, out_addr: str, make_agent: AgentFactory | None = None
+) -> None:
+    """`make_agent`: the PD agent factory a prefill or decode engine needs (Engine's argument;
+    the server passes disagg.connector.make_agent, which this layer may not import)."""
     setup_logging()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop
     die_with_parent()
@@ -63,7 +68,7 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str) -> None:
             tp_worker.check_supported(cfg, resolve(cfg.model, cfg.load_format, cfg.tokenizer))
             _, port = tp_worker.start_followers(cfg)
             tp_worker.init_distributed(0, cfg.tensor_parallel_size, "127.0.0.1", port, cfg.device)
-        engine = Engine(cfg)
+        engine = Engine(cfg, make_agent=make_agent)
     except Exception as e:
         log.exception("engine failed to start")
         outbox.send(enc.encode(EngineFailed(f"{type(e).__name__}: {e}")))

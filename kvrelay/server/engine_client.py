@@ -62,6 +62,15 @@ def pd_request_events() -> dict[str, int]:
     return {f"pd_request_{k}": v for k, v in counts.items() if v and k != "ok"}
 
 
+def _engine_process(cfg: EngineConfig, in_addr: str, out_addr: str) -> None:
+    """The engine process's entry point (spawned): the engine loop, with the PD agent factory.
+    The engine layer may not import disagg/ (pyproject's layer contract), the server may; the
+    import is here, in the child, so that the API process does not load torch with it."""
+    from kvrelay.disagg.connector import make_agent
+
+    engine_main(cfg, in_addr, out_addr, make_agent)
+
+
 class EngineClient:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
@@ -74,7 +83,7 @@ class EngineClient:
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(FromEngine)
         self.proc = mp.get_context("spawn").Process(
-            target=engine_main,
+            target=_engine_process,
             args=(cfg, f"ipc://{self._dir}/to_engine", f"ipc://{self._dir}/from_engine"),
             daemon=True,
             name="kvrelay-engine",

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from kvrelay.config import CacheConfig, DisaggConfig, EngineConfig, SchedulerConfig
+from kvrelay.disagg.connector import make_agent
 from kvrelay.engine.engine import Engine
 from kvrelay.engine.messages import AddRequest, PDParams, SamplingParams
 from kvrelay.weights.loader import resolve
@@ -30,7 +31,8 @@ def dense_engine(
             ),
             scheduler=SchedulerConfig(max_num_batched_tokens=32),
             disagg=DisaggConfig(**{"layers_per_chunk": 1, "pd_secret": PD_SECRET, **disagg}),
-        )
+        ),
+        make_agent=make_agent,
     )
 
 
@@ -65,7 +67,7 @@ def dsv4_engine(
         ),
         disagg=DisaggConfig(**{"layers_per_chunk": 2, "pd_secret": PD_SECRET, **disagg}),
     )
-    return Engine(cfg, src)
+    return Engine(cfg, src, make_agent)
 
 
 class Pair:

@@ -8,6 +8,7 @@ import pytest
 from engine_pair import PD_SECRET, pairs
 
 from kvrelay.config import CacheConfig, DisaggConfig, EngineConfig, SchedulerConfig
+from kvrelay.disagg.connector import make_agent
 from kvrelay.engine.engine import Engine, generate
 from kvrelay.engine.messages import SamplingParams
 
@@ -27,7 +28,8 @@ def _engine(role: str, pool_tokens: int) -> Engine:
             cache=CacheConfig(max_total_tokens=pool_tokens, page_size=16),
             scheduler=SchedulerConfig(max_num_batched_tokens=64, kv_reserve_max_tokens=32),
             disagg=DisaggConfig(pd_secret=PD_SECRET),
-        )
+        ),
+        make_agent=make_agent,
     )
 
 
