@@ -19,6 +19,9 @@ Failure) or its connection is closed: with an in-place backend (cuda_ipc) prefil
 into those pages, and a late write must never land in the next owner's KV. A peer that does not
 answer within bootstrap_timeout_s is hung up on, which lifts the fence.
 
+A prefill's connection is authenticated before any of this (acceptor.py: decode's half of the
+handshake); the receiver builds on that and listens for prefills once it is set up.
+
 Only the PD connector's scheduler side touches pages and slots (reserve, admit_transferred,
 finish, finish_fenced, release: the scheduler's public operations). How a piece's bytes came, and
 so how they are checked and installed, is the backend's `PieceIntake` for the header's way
@@ -34,9 +37,9 @@ from dataclasses import dataclass, field
 
 from kvrelay.cache.block_pool import OutOfPages
 from kvrelay.config import DisaggConfig
-from kvrelay.disagg import handshake as H
 from kvrelay.disagg import protocol as P
-from kvrelay.disagg.agent import Event, TransferAgent
+from kvrelay.disagg.acceptor import PrefillAcceptor
+from kvrelay.disagg.agent import Event
 from kvrelay.disagg.layout import PAGE, SLOT
 from kvrelay.disagg.protocol import TState
 from kvrelay.disagg.transport.base import Connection
@@ -64,14 +67,6 @@ class DecodeTransfer:
 
 
 @dataclass
-class Handshake:
-    """A connection whose prefill has said hello but not yet proved it holds the PD secret."""
-
-    hello: P.Hello
-    nonce: bytes = field(default_factory=H.new_nonce)  # ours, for this connection
-
-
-@dataclass
 class Fenced:
     """A failed transfer's pages, held until its prefill can no longer write into them."""
 
@@ -87,7 +82,7 @@ class Orphan:
     arrived: float
 
 
-class DecodeReceiver(TransferAgent):
+class DecodeReceiver(PrefillAcceptor):
     role = "decode"
 
     def __init__(self, cfg: DisaggConfig, scheduler: SchedulerSide, worker: WorkerSide) -> None:
@@ -101,7 +96,6 @@ class DecodeReceiver(TransferAgent):
             str, float
         ] = {}  # transfer id -> when it failed: its late pieces are dropped quietly
         self.fences: dict[str, Fenced] = {}  # transfer id -> pages prefill may still write into
-        self._handshakes: dict[Connection, Handshake] = {}  # said hello, not yet authenticated
         self.intakes = self.backend.intakes(worker)  # by ChunkHeader.in_place: how pieces came
         self.addr = self.transport.listen(
             self.cfg.transfer_host, self.cfg.transfer_port, self._on_message, self._on_close
@@ -127,64 +121,6 @@ class DecodeReceiver(TransferAgent):
         counts["orphaned"] = len(self.orphans)  # prefill's reservation came before decode's copy
         counts["fenced"] = len(self.fences)  # failed; pages held until prefill stops writing
         return counts
-
-    def _on_handshake(self, conn: Connection, msg: P.Hello | P.Auth | P.Failure) -> None:
-        shake = self._handshakes.get(conn)
-        if isinstance(msg, P.Hello):
-            if shake is not None:
-                raise ConnectionError(f"a second hello from {conn.peer}")
-            self._handshakes[conn] = Handshake(msg)
-            problem = self.hello_problem(msg)
-            if problem is not None and problem[0] != P.Cause.LAYOUT:
-                return self._refuse(conn, *problem)
-            # The challenge: our nonce, nothing of our layout (prefill's fingerprint echoed;
-            # ours is compared, and a difference named, once prefill has proved itself).
-            challenge = P.Hello(
-                self.instance_id, self.role, msg.layout, self._handshakes[conn].nonce
-            )
-            conn.send(P.encode(challenge))
-            return
-        if isinstance(msg, P.Failure):  # prefill refused us (and hangs up)
-            log.warning(
-                "prefill peer=%s refused the handshake cause=%s message=%s",
-                conn.peer,
-                msg.cause,
-                msg.message,
-            )
-            raise ConnectionError(f"prefill refused the handshake: {msg.message}")
-        if shake is None:
-            raise ConnectionError(f"an auth before the hello from {conn.peer}")
-        if not H.proof_ok(self._proof("prefill", shake), msg.proof):
-            why = f"prefill at {conn.peer} failed to prove it holds the PD secret"
-            return self._refuse(conn, P.Cause.UNAUTHENTICATED, "peer_unauthenticated", why)
-        del self._handshakes[conn]
-        mismatch = self.layout_mismatch(shake.hello)
-        if mismatch:
-            return self._refuse(conn, P.Cause.LAYOUT, "layout_mismatch", mismatch)
-        self._authenticated(conn)
-        offer = self.backend.offer(self.kinds)  # cuda_ipc: the tensors prefill may write into
-        conn.send(P.encode(P.Auth(self._proof("decode", shake), offer)))
-        # Prefill connects from a fresh port each time: a restart shows as peer_lost, then
-        # peer_connected with a new instance id (prefill itself counts peer_restarted).
-        self._connected_peer(conn)
-        log.info("prefill connected peer=%s instance=%s", conn.peer, shake.hello.instance_id)
-
-    def _proof(self, role: str, shake: Handshake) -> bytes:
-        p = shake.hello
-        return H.proof(self.secret, role, p.nonce, shake.nonce, p.instance_id, self.instance_id)
-
-    def _refuse(self, conn: Connection, cause: str, event: str, message: str) -> None:
-        """Tell a peer why it is refused, log it, count it, hang up."""
-        self._stranger_warn(  # one line per cause and second: the format names the cause
-            f"transfer peer refused peer=%s cause={cause} message=%s", conn.peer, message
-        )
-        self._count_event(event)
-        self._handshakes.pop(conn, None)
-        try:
-            conn.send(P.encode(P.Failure("", cause, message)))
-        except ConnectionError:
-            pass
-        conn.close()
 
     # -- engine hooks --------------------------------------------------------------------------------
 
