@@ -290,7 +290,9 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         help="ngram: each decoding request drafts the tokens that followed the latest earlier "
         "occurrence of its context's last tokens (prompt lookup) and the model verifies them in "
         "one step (greedy output unchanged token for token; sampling keeps its distribution); "
-        "dense models only, so far; mtp: not supported yet; none: off",
+        "mtp: DeepSeek-V4's multi-token-prediction block drafts one token per step from the "
+        "model's last hidden streams (its weights: the checkpoint's, or "
+        "--speculative-draft-model-path); none: off",
     )
     g.add_argument(
         "--speculative-num-draft-tokens",
@@ -312,6 +314,13 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         default=sp.ngram_max,
         metavar="N",
         help="ngram: the longest context suffix looked up (the longest match wins)",
+    )
+    g.add_argument(
+        "--speculative-draft-model-path",
+        default=sp.draft_model_path,
+        metavar="FILE",
+        help="mtp: a safetensors file of the MTP block (model.mtp.* tensors) where the "
+        "checkpoint has none",
     )
 
 
@@ -429,6 +438,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
             num_draft_tokens=a.speculative_num_draft_tokens,
             ngram_min=a.speculative_ngram_min,
             ngram_max=a.speculative_ngram_max,
+            draft_model_path=a.speculative_draft_model_path,
         ),
     )
 

@@ -71,19 +71,22 @@ class SchedulerConfig:
     max_decode_slowdown: float = 0.0
 
 
-SPECULATIVE_ALGORITHMS = ("none", "ngram", "mtp")  # mtp: DeepSeek-V4's own layers (not yet)
+SPECULATIVE_ALGORITHMS = ("none", "ngram", "mtp")  # mtp: DeepSeek-V4's own MTP block
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (engine/drafter.py): drafts verified by the target in one step."""
 
-    algorithm: str = "none"  # none | ngram (prompt lookup) | mtp (refused: not supported yet)
-    num_draft_tokens: int = 4  # drafts per request per step at most
+    algorithm: str = "none"  # none | ngram (prompt lookup) | mtp (DeepSeek-V4's MTP block)
+    num_draft_tokens: int = 4  # drafts per request per step at most (mtp: 1)
     # n-gram window sizes: the longest suffix of the context (max down to min tokens) that
     # occurred earlier proposes what followed it.
     ngram_min: int = 1
     ngram_max: int = 4
+    # mtp: a safetensors file of the model's MTP block (`model.mtp.*`) for a checkpoint that
+    # has none (e.g. tests/data/dsv4-tiny-agent-mtp.safetensors for the tiny agent)
+    draft_model_path: str = ""
 
 
 @dataclass(frozen=True)

@@ -24,20 +24,25 @@ def check_supported(spec: SpeculativeConfig, family_name: str, family_cls) -> No
     step ("rollback")."""
     if spec.algorithm == "none":
         return
-    if spec.algorithm == "mtp":
+    if spec.algorithm not in ("ngram", "mtp"):
+        raise ValueError(f"unknown --speculative-algorithm {spec.algorithm!r} (none | ngram | mtp)")
+    if spec.algorithm == "mtp" and not getattr(family_cls, "drafts_with_mtp", False):
         raise ValueError(
-            "--speculative-algorithm mtp is not supported yet (use ngram, dense models only)"
+            f"--speculative-algorithm mtp needs a model with an MTP block (DeepSeek-V4); "
+            f"{family_name} has none (use ngram)"
         )
-    if spec.algorithm != "ngram":
-        raise ValueError(f"unknown --speculative-algorithm {spec.algorithm!r} (none | ngram)")
     if getattr(family_cls, "speculation", "") not in ("overwrite", "rollback"):
         raise ValueError(
-            f"--speculative-algorithm ngram is not supported for {family_name} models yet "
-            "(their per-request state has no rollback of rejected drafts); serve without it"
+            f"--speculative-algorithm {spec.algorithm} is not supported for {family_name} models "
+            "yet (their per-request state has no rollback of rejected drafts); serve without it"
         )
     if spec.num_draft_tokens < 1:
         raise ValueError("--speculative-num-draft-tokens must be at least 1")
-    NgramIndex(spec.ngram_min, spec.ngram_max)  # raises on bad window sizes
+    if spec.algorithm == "ngram":
+        NgramIndex(spec.ngram_min, spec.ngram_max)  # raises on bad window sizes
+    elif spec.num_draft_tokens != 1:
+        raise ValueError("--speculative-algorithm mtp drafts one token per step: "
+                         "--speculative-num-draft-tokens 1")  # fmt: skip
 
 
 class SpecStats:
@@ -95,8 +100,31 @@ class NgramDrafter:
         return index.propose(room)
 
 
-def make_drafter(spec: SpeculativeConfig, max_model_len: int, role: str) -> NgramDrafter | None:
+class MtpDrafter:
+    """The draft the model's MTP block made for a request after its last step (the family's
+    `propose_drafts`, models/base.py), while it still applies: made when the request had as
+    many tokens as now."""
+
+    def __init__(self, spec: SpeculativeConfig, max_model_len: int) -> None:
+        self.k = spec.num_draft_tokens
+        self.max_model_len = max_model_len
+        self.stats = SpecStats(self.k)
+
+    def propose(self, req: Request, budget: int) -> list[int]:
+        if req.matcher is not None or not req.output_ids or req.mtp_draft_at != req.num_tokens:
+            return []
+        room = min(
+            self.k, budget, req.remaining_max_tokens - 1, self.max_model_len - 1 - req.num_tokens
+        )
+        return req.mtp_draft[: max(room, 0)]
+
+
+def make_drafter(
+    spec: SpeculativeConfig, max_model_len: int, role: str
+) -> NgramDrafter | MtpDrafter | None:
     """The engine's drafter, or None (off; a PD prefill server makes one token per request)."""
     if spec.algorithm == "none" or role == "prefill":
         return None
+    if spec.algorithm == "mtp":
+        return MtpDrafter(spec, max_model_len)
     return NgramDrafter(spec, max_model_len)

@@ -18,7 +18,7 @@ from kvrelay.engine.grammar import GrammarBackend, GrammarError
 from kvrelay.engine.messages import AddRequest, EngineStats, RequestOutput, StepOutputs
 from kvrelay.engine.pd_connector import AgentFactory, PDAgent
 from kvrelay.engine.pd_sides import EngineSchedulerSide, RunnerWorkerSide
-from kvrelay.engine.request import Request
+from kvrelay.engine.request import Request, Status
 from kvrelay.engine.runner import make_runner
 from kvrelay.engine.sampler import sample
 from kvrelay.engine.scheduler import ScheduledRequest, Scheduler
@@ -322,6 +322,11 @@ class Engine:
                 )
                 continue
             self._commit(chosen[i], emitted[i], prompt_lp, fault, profile, outputs)
+        if self.cfg.speculative.algorithm == "mtp":  # the model drafts from this step's rows
+            follow = {s.req.rid: (_known(s) + em.accepted, em.tokens[-1])
+                      for s, em in zip(chosen, emitted, strict=True)}  # fmt: skip
+            wants = {s.req.rid for s in chosen if s.req.status == Status.RUNNING}
+            self.runner.propose_drafts(batch, follow, wants)
         self.last_step_ms = (time.perf_counter() - t0) * 1e3
         num_tokens = sum(s.num_new_tokens for s in batch)
         split = None if profile is None else profile.finish(self.last_step_ms)

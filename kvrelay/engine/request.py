@@ -47,6 +47,9 @@ class Request:
         self.matcher = None  # llguidance LLMatcher of a grammar-constrained request (grammar.py)
         self.grammar_consumed = 0  # output tokens the matcher has consumed
         self.draft_index = None  # speculative decoding: its n-gram index (engine/drafter.py)
+        # mtp: the draft its last step's MTP pass made, for when it has mtp_draft_at tokens
+        self.mtp_draft: list[int] = []
+        self.mtp_draft_at = -1
         # Prompt logprobs so far (params.prompt_logprobs): entry p scores prompt token p + 1.
         self.prompt_lp: list[PromptLogprob] = []
 

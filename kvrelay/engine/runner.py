@@ -184,6 +184,14 @@ class ModelRunner:
         return StepLogits(logits, prompt_logprobs.score(hidden, head, vocab, rows))
 
     @torch.inference_mode()
+    def propose_drafts(self, batch, follow: dict[str, tuple[int, int]], wants: set[str]) -> None:
+        """A family that drafts from the model itself (mtp) does so once the step's tokens are
+        committed (models/deepseek_v4/runnable.py propose_drafts)."""
+        propose = getattr(self.family, "propose_drafts", None)
+        if propose is not None:
+            propose(batch, follow, wants)
+
+    @torch.inference_mode()
     def after_verify(self, req, rejected: bool) -> bool:
         """req's verify step is settled; where a draft was `rejected` and the family rolls its
         state back (models/base.py `speculation`), it does so: True if it did."""

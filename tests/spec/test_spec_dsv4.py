@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from kvrelay.engine.messages import SamplingParams
 from kvrelay.weights.loader import resolve
 
 K = 4
+AGENT = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "dsv4-tiny-agent"
 NGRAM = SpeculativeConfig(algorithm="ngram", num_draft_tokens=K)
 # QAT off (as in test_dsv4_engine): its FP8/FP4 roundings turn the ulps by which rows computed in
 # chunks of another size differ into whole rounding steps (logprobs 1e-3 apart, measured)
@@ -107,7 +109,9 @@ def test_rejected_drafts_leave_no_trace(plain, backend: str, concurrency: int) -
     spec = _engine(NGRAM, backend)
     prompts = _prompts(concurrency)
     want = generate(ref, prompts, _greedy())
-    spec.scheduler.drafter = _planted({tuple(p): _tokens(w) for p, w in zip(prompts, want, strict=True)})
+    spec.scheduler.drafter = _planted(
+        {tuple(p): _tokens(w) for p, w in zip(prompts, want, strict=True)}
+    )
     got = generate(spec, prompts, _greedy())
     stats = spec.drafter.stats
     for w, g in zip(want, got, strict=True):
@@ -138,9 +142,13 @@ def test_a_rejected_verify_step_leaves_the_slot_as_it_was(plain) -> None:
 
     def after_verify(req, rolled_back: bool, settle=family.after_verify) -> None:
         slot, was = req.state_slot, before.pop(req.state_slot)
-        changed.append(any(not torch.equal(a, b) for a, b in zip(was, pool.copy_slot(slot), strict=True)))
+        changed.append(
+            any(not torch.equal(a, b) for a, b in zip(was, pool.copy_slot(slot), strict=True))
+        )
         settle(req, rolled_back)
-        restored.append(all(torch.equal(a, b) for a, b in zip(was, pool.copy_slot(slot), strict=True)))
+        restored.append(
+            all(torch.equal(a, b) for a, b in zip(was, pool.copy_slot(slot), strict=True))
+        )
 
     spec.scheduler.drafter = wrong
     family.after_verify = after_verify
@@ -157,3 +165,33 @@ def test_tensor_parallel_speculation_is_refused() -> None:
     )  # fmt: skip
     with pytest.raises(ValueError, match="not supported for DeepSeek-V4 with tensor parallel"):
         Engine(cfg)
+
+
+MTP = SpeculativeConfig(algorithm="mtp", num_draft_tokens=1)
+
+
+@pytest.mark.parametrize("concurrency", [1, 8])
+def test_mtp_drafts_give_the_plain_tokens(plain, concurrency: int) -> None:
+    """The MTP block (random here: its drafts are mostly wrong) drafts one token per step from
+    every step's rows; what is verified is the plain output, whatever the drafts."""
+    spec = _engine(MTP)
+    prompts = _prompts(concurrency)
+    want = generate(plain, prompts, _greedy())
+    got = generate(spec, prompts, _greedy())
+    for w, g in zip(want, got, strict=True):
+        assert _tokens(g) == _tokens(w)
+        _close(_logprobs(g), _logprobs(w))
+    stats = spec.drafter.stats
+    assert stats.num_drafts > 10 and stats.num_draft_tokens == stats.num_drafts
+    spec.check_idle_integrity()
+    spec.flush_prefix_cache()
+    assert spec.scheduler.page_pool.num_used == 0
+
+
+def test_mtp_without_weights_or_on_the_reference_path_is_refused() -> None:
+    with pytest.raises(ValueError, match="attention-backend reference"):
+        _engine(MTP, backend="reference")
+    if AGENT.is_dir():  # an HF checkpoint without an MTP block, none given
+        cfg = EngineConfig(model=str(AGENT), device="cpu", dtype="float32", speculative=MTP)
+        with pytest.raises(ValueError, match="has no MTP block"):
+            Engine(cfg)

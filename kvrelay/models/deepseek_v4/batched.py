@@ -29,10 +29,12 @@ def forward_batched(
     kernels: LayerKernels | None = None,
     profile: StepProfiler | None = None,
     head: bool = True,
+    streams_out: list | None = None,
 ) -> torch.Tensor:
     """input_ids [T] -> logits [len(sample_rows), V] in the model dtype (without `head`: the
     final hidden states of those rows, which the LM head maps to logits). `kernels` are the fused
-    replacements of the blocks' torch ops (None: torch)."""
+    replacements of the blocks' torch ops (None: torch). `streams_out`: gets every row's final
+    streams [T, hc, hidden] appended (what the MTP block reads)."""
     m = model.model
     index = StepIndex(meta, m.config.sliding_window)
     with fused_glue(kernels is not None):  # the Triton path compiles the glue between kernels
@@ -59,5 +61,35 @@ def forward_batched(
                 streams = layer.run(streams, input_ids, attend, profile, kernels)
         if pending is not None:
             streams = HyperConnection.merge(pending[0], streams, pending[1], pending[2])
+        if streams_out is not None:
+            streams_out.append(streams)
         hidden = m.norm(m.hc_head(streams[sample_rows]))
         return model.compute_logits(hidden) if head else hidden
+
+
+@torch.no_grad()
+def mtp_batched(
+    model: DeepseekV4ForCausalLM,
+    streams: torch.Tensor,
+    next_ids: torch.Tensor,
+    meta: BatchMeta,
+    pool,
+    rows: torch.Tensor,
+    ops: AttentionOps,
+    kernels: LayerKernels | None = None,
+) -> torch.Tensor:
+    """The MTP block over the step `meta` described: row t reads the main model's final
+    streams at t and the embedding of token t+1 (`next_ids`), writes its window row (the pool's
+    MTP rows, after the layers'), and the logits [len(rows), V] of `rows` predict token t+2."""
+    m = model.model
+    mtp, layer = m.mtp[0], len(m.layers)
+    index = StepIndex(meta, m.config.sliding_window)
+    with fused_glue(kernels is not None):
+        e = mtp.e_proj(mtp.enorm(m.embed_tokens(next_ids)))
+        x = e[:, None, :] + mtp.h_proj(mtp.hnorm(streams))
+
+        def attend(xn: torch.Tensor) -> torch.Tensor:
+            return pooled_attention(mtp.self_attn, xn, layer, meta, index, pool, ops)
+
+        x = mtp.run(x, next_ids, attend, None, kernels)
+        return model.compute_logits(mtp.norm(mtp.hc_head(x[rows])))

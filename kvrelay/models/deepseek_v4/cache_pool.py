@@ -73,8 +73,9 @@ class DeepseekV4CachePool:
         dtype: torch.dtype,
         device: torch.device,
         index_k_dtype: str = "auto",
+        mtp_layers: int = 0,
     ) -> None:
-        self.spec = dsv4_cache_spec(cfg, page_size, dtype, index_k_dtype)
+        self.spec = dsv4_cache_spec(cfg, page_size, dtype, index_k_dtype, mtp_layers)
         self.cfg, self.page_size, self.dtype, self.device = cfg, page_size, dtype, device
         self.num_pages, self.num_slots = num_pages, num_slots
         self.index_fp8 = index_k_dtype == "fp8"
@@ -121,6 +122,8 @@ class DeepseekV4CachePool:
             self.index_k_scale.append(scale)
             self.comp_slots.append(comp)
             self.index_slots.append(idx)
+        # the MTP blocks' window rows after the layers' (sliding: nothing else)
+        self.swa += [t[f"MTP{j}.swa_kv"] for j in range(mtp_layers)]
 
     # -- rows of a request ------------------------------------------------------------------
     def _read(self, pool: torch.Tensor, pages: torch.Tensor, first: int, last: int, r: int):

@@ -30,8 +30,14 @@ def dsv4_page_size(cfg: DeepseekV4Config, requested: int) -> int:
 
 
 def dsv4_cache_spec(
-    cfg: DeepseekV4Config, page_size: int, dtype: torch.dtype, index_k_dtype: str = "auto"
+    cfg: DeepseekV4Config,
+    page_size: int,
+    dtype: torch.dtype,
+    index_k_dtype: str = "auto",
+    mtp_layers: int = 0,
 ) -> CacheSpec:
+    """Every cache tensor of the model (and with `mtp_layers`, the sliding-window rows of its
+    MTP blocks, which drafting with them needs: `MTP{j}.swa_kv`, layer index L + j)."""
     if page_size % math.lcm(cfg.csa_compress_ratio, cfg.hca_compress_ratio):
         raise ValueError("page_size must be a multiple of every compress ratio")
     if index_k_dtype not in INDEX_K_DTYPES:
@@ -68,4 +74,9 @@ def dsv4_cache_spec(
                     KindSpec(f"L{i}.c{r}_index_k_scale", PAGE, i, (P // r,), torch.float32, r)
                 )
             state(f"L{i}.c{r}_index_state", i, r, di, True)
+    n = len(cfg.layer_types)
+    for j in range(mtp_layers):
+        kinds.append(
+            KindSpec(f"MTP{j}.swa_kv", PAGE, n + j, (P, d), dtype, keep_last=cfg.sliding_window - 1)
+        )
     return CacheSpec(page_size, tuple(kinds))

@@ -13,7 +13,7 @@ from kvrelay.config import EngineConfig
 from kvrelay.layers.parallel import TPGroup
 from kvrelay.models.base import Scheduled
 from kvrelay.models.deepseek_v4.batch_meta import build_meta
-from kvrelay.models.deepseek_v4.batched import forward_batched
+from kvrelay.models.deepseek_v4.batched import forward_batched, mtp_batched
 from kvrelay.models.deepseek_v4.cache_pool import DeepseekV4CachePool
 from kvrelay.models.deepseek_v4.cache_spec import dsv4_cache_spec, dsv4_page_size
 from kvrelay.models.deepseek_v4.config import CSA, HCA, DeepseekV4Config
@@ -34,6 +34,7 @@ class DeepseekV4Runnable:
     # where a draft was rejected (the request then computes its committed tokens again). Its
     # KV rows, compressed entries and index keys past the committed length are overwritten.
     speculation = "rollback"
+    drafts_with_mtp = True  # --speculative-algorithm mtp: its MTP block drafts (propose_drafts)
 
     def __init__(
         self, cfg: EngineConfig, model_cfg: DeepseekV4Config, model, device: torch.device,
@@ -54,14 +55,24 @@ class DeepseekV4Runnable:
         self.kernels: LayerKernels | None = None
         self.pool: DeepseekV4CachePool | None = None
         self._before_verify: dict[int, list[torch.Tensor]] = {}  # slot -> its state, copied
+        # --speculative-algorithm mtp: the MTP block runs over every step's rows (its window
+        # rows in the pool) once the step's tokens are committed, and drafts the next token
+        self.mtp = cfg.speculative.algorithm == "mtp"
+        self._mtp_inputs = None  # (final streams of every row, meta, step) of the last forward
 
     @staticmethod
     def check(cfg: EngineConfig, model_cfg: DeepseekV4Config, device: torch.device) -> None:
         check_parallel(cfg, device)
+        if cfg.speculative.algorithm == "mtp":
+            if cfg.attention_backend == "reference":
+                raise ValueError("--speculative-algorithm mtp runs on the batched path: not with "
+                                 "--attention-backend reference")  # fmt: skip
+            if model_cfg.num_nextn_predict_layers < 1:
+                raise ValueError("--speculative-algorithm mtp: the model config has no MTP block")
 
     def cache_spec(self) -> CacheSpec:
         return dsv4_cache_spec(
-            self.model_cfg, self.page_size, self.dtype, self.cfg.cache.index_k_dtype
+            self.model_cfg, self.page_size, self.dtype, self.cfg.cache.index_k_dtype, int(self.mtp)
         )
 
     def reserve_bytes(self) -> int:
@@ -74,7 +85,7 @@ class DeepseekV4Runnable:
         # The pools are the same on every rank (one shared KV head): the same page ids everywhere.
         self.pool = DeepseekV4CachePool(
             self.model_cfg, num_pages, self.page_size, self.num_state_slots, self.dtype,
-            self.device, self.cfg.cache.index_k_dtype,
+            self.device, self.cfg.cache.index_k_dtype, int(self.mtp),
         )  # fmt: skip
         return self.pool
 
@@ -113,16 +124,19 @@ class DeepseekV4Runnable:
                 step.starts, step.counts, step.pages, step.slots, self.ratios, self.page_size,
                 self.device,
             )  # fmt: skip
+            streams = [] if self.mtp else None
             hidden = forward_batched(
                 self.model, input_ids, meta, self.pool, rows_t, self.ops, self.kernels, profile,
-                head=False,
+                head=False, streams_out=streams,
             )  # fmt: skip
+            if self.mtp:
+                self._mtp_inputs = (streams[0], meta, step)
         logits = self.model.compute_logits(hidden[: step.n_sampled]).float()
         return logits, hidden[step.n_sampled :]
 
     def make_graphs(self, max_batch: int, max_model_len: int):
         """Decode graphs per (batch, context) bucket, captured on first use (Triton path only)."""
-        if self.kernels is None:
+        if self.kernels is None or self.mtp:  # (mtp: steps read every row's streams: eager)
             return None
         from kvrelay.models.deepseek_v4.graphs import Dsv4GraphRunner
 
@@ -146,6 +160,42 @@ class DeepseekV4Runnable:
         saved = self._before_verify.pop(req.state_slot, None)
         if rolled_back and saved is not None:
             self.pool.load_slot(req.state_slot, saved)
+
+    def propose_drafts(
+        self, batch: list[Scheduled], follow: dict[str, tuple[int, int]], wants: set[str]
+    ) -> None:
+        """mtp, after the step's tokens are committed: the MTP block over the step's rows (row
+        t with token t+1: the next row's, or for a request's last committed row `follow[rid]`
+        = (tokens of the step committed, the token after them); after a prompt chunk, the
+        prompt's next token). Each request in `wants` gets the draft of its last committed row
+        (req.mtp_draft, for when it has as many tokens as now). Rows past a request's committed
+        ones (rejected drafts) write window rows that later steps overwrite."""
+        if self._mtp_inputs is None:
+            return
+        streams, meta, step = self._mtp_inputs
+        self._mtp_inputs = None
+        nxt = step.ids[1:] + [0]
+        rows, owners, first = [], [], 0
+        for s, start, count in zip(batch, step.starts, step.counts, strict=True):
+            req = s.req
+            if req.rid in follow:
+                committed, token = follow[req.rid]
+                nxt[first + committed - 1] = token
+                if req.rid in wants:
+                    rows.append(first + committed - 1)
+                    owners.append(req)
+            else:  # a prompt chunk: the prompt goes on (nothing after a prompt-only request)
+                after = req.token_slice(start + count, start + count + 1)
+                nxt[first + count - 1] = after[0] if after else 0
+            first += count
+        dev = self.device
+        next_ids = torch.tensor(nxt, dtype=torch.long).to(dev, non_blocking=True)
+        rows_t = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
+        logits = mtp_batched(
+            self.model, streams, next_ids, meta, self.pool, rows_t, self.ops, self.kernels
+        )
+        for req, d in zip(owners, logits.argmax(dim=-1).tolist(), strict=True):
+            req.mtp_draft, req.mtp_draft_at = [d], req.num_tokens
 
     def warm_up(self, graphs) -> None:
         from kvrelay.models.deepseek_v4.warm_up import warm_up
