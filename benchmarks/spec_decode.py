@@ -1,14 +1,16 @@
-"""N-gram speculative decoding in the offline engine: time per output token with and without
-`--speculative-algorithm ngram` at a few concurrencies, the mean accepted length, and how many
-requests give the plain greedy tokens exactly.
+"""Speculative decoding in the offline engine: time per output token with and without
+`--speculative-algorithm ngram|mtp` at a few concurrencies, the mean accepted length, and how
+many requests give the plain greedy tokens exactly. (mtp: DeepSeek-V4 only, one draft per step;
+with dummy weights its drafts are random: the number is the overhead bound.)
 
 Prompts repeat spans (a tool result quoted back, as agentic traffic does). With dummy weights
 the acceptance says nothing about real traffic (the model copies nothing; a looping output
 accepts nearly every draft): there the number that matters is the cost of a verify step (run
 eagerly on CUDA, while plain decode steps replay their graphs); give real weights (`--model
-PATH --load-format auto`) for acceptance. Checked on CPU (qwen3-tiny); not yet run on a GPU.
+PATH --load-format auto`) for acceptance. Checked on CPU (qwen3-tiny, dsv4-tiny).
 
-    python benchmarks/spec_ngram.py [--model smollm2-135m --load-format dummy] [--out PATH]
+    python benchmarks/spec_decode.py [--model smollm2-135m --load-format dummy] [--out PATH]
+    python benchmarks/spec_decode.py --model dsv4-mini --algorithm mtp --concurrency 1,8
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--concurrency", default="1,8,64")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--draft-tokens", type=int, default=4)
+    p.add_argument("--algorithm", default="ngram", choices=["ngram", "mtp"])
+    p.add_argument("--draft-tokens", type=int, default=None, help="default: 4 (ngram), 1 (mtp)")
+    p.add_argument("--draft-model-path", default="", help="mtp: the MTP block's safetensors")
     p.add_argument("--out", default=None, help="JSON path (default: print only)")
     return p.parse_args(argv)
 
@@ -70,7 +74,8 @@ def main(argv=None) -> None:
         model=a.model, load_format=a.load_format, dtype=a.dtype, max_cuda_graph_batch=64,
         cache=CacheConfig(max_total_tokens=64 * 1024),
     )  # fmt: skip
-    spec_cfg = SpeculativeConfig(algorithm="ngram", num_draft_tokens=a.draft_tokens)
+    k = a.draft_tokens or (1 if a.algorithm == "mtp" else 4)
+    spec_cfg = SpeculativeConfig(a.algorithm, k, draft_model_path=a.draft_model_path)
     plain = Engine(base)
     spec = Engine(dataclasses.replace(base, speculative=spec_cfg), plain.src)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
@@ -100,7 +105,8 @@ def main(argv=None) -> None:
         "load_format": a.load_format,
         "dtype": str(plain.runner.dtype),
         "max_tokens": a.max_tokens,
-        "draft_tokens": a.draft_tokens,
+        "algorithm": a.algorithm,
+        "draft_tokens": k,
         "rows": rows,
     }
     if a.out:
