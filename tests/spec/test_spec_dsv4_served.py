@@ -17,12 +17,16 @@ answer is not compared)."""
 from __future__ import annotations
 
 import json
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 import pytest
 from conftest import ServerProcess
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "disagg"))
+from pd_stack import PDStack  # noqa: E402
 
 AGENT = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "dsv4-tiny-agent"
 pytestmark = pytest.mark.skipif(
@@ -191,3 +195,25 @@ def test_conversations_equal_plain_decoding(servers, plain_answers, algorithm, w
     if algorithm == "mtp":  # the trained block predicts the agent well
         assert accepted >= 0.7 * drafted, (accepted, drafted)
     print(f"{algorithm}: {accepted:.0f} of {drafted:.0f} drafts accepted")
+
+
+@pytest.mark.parametrize("algorithm", list(SPEC))
+def test_pd_with_a_speculating_decode_equals_plain_single(plain_answers, algorithm) -> None:
+    """Through a router to a prefill and a speculating decode server (with mtp, prefill runs
+    the MTP block too: its window rows of the prompt travel with the rest of the cache)."""
+    model = ("--model", str(AGENT), "--device", "cpu", "--dtype", "float32")
+    prefill = SPEC["mtp"] if algorithm == "mtp" else ()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVRELAY_CPU_THREADS", "1")
+        stack = PDStack(prefill_args=prefill, decode_args=SPEC[algorithm], model=model)
+    try:
+        accepted = stack.decode.metric(ACCEPTED)
+        which = list(range(len(CONVERSATIONS)))
+        for i, conv in zip(which, _all(stack.router.url, which), strict=True):
+            assert len(conv) == len(plain_answers[i])
+            for w, g in zip(plain_answers[i], conv, strict=True):
+                _same_answer(w, g)
+        assert stack.decode.metric(ACCEPTED) > accepted
+        stack.wait_idle()
+    finally:
+        stack.close()
