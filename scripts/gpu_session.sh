@@ -16,6 +16,7 @@ case "${PART:-check}" in
 check)
   BUDGET_S=${BUDGET_S:-280} SKIP=${SKIP:-served} bash scripts/gpu_check.sh
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+  [ -n "${NO_BENCH:-}" ] && exit 0  # the tests alone (a short device budget)
   echo "== mHC pre kernels alone (us per call, graphed)"
   timeout -s INT -k 10 60 python3 benchmarks/hc_pre_kernels.py --old "${HC_OLD:-HEAD}" --out "$OUT/hc_pre_kernels.json" 2>&1 | tail -6
   echo "== NVFP4 MoE tile sweep (split K)"
