@@ -27,8 +27,14 @@ serve: setup
 serve-single: setup
 	$(VENV)/bin/kvrelay serve --port $(PORT) $(ARGS)
 
+# The nixl transfer backend's tests (tests/disagg/test_pd_nixl.py) need NIXL: one wheel (~56 MB,
+# nothing beyond torch and numpy, which are here). Where it cannot install they skip, saying so.
+$(VENV)/.nixl: $(VENV)/.installed
+	-$(PY) -m pip install -q --no-deps "nixl-cu13==1.5.1"
+	@touch $@
+
 # Dependencies point down first (pyproject's import-linter contract, a few seconds), then the tests.
-test: setup
+test: setup $(VENV)/.nixl
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/pytest -q
 

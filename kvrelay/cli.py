@@ -206,9 +206,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--transfer-backend",
         default=x.transfer_backend,
-        choices=["tcp", "cuda_ipc"],
-        help="KV transfer backend: tcp (anywhere; bytes through the host) or cuda_ipc (servers "
-        "on one host: prefill writes straight into decode's GPU pages)",
+        choices=["tcp", "cuda_ipc", "nixl"],
+        type=_transfer_backend,
+        help="KV transfer backend: tcp (anywhere; bytes through the host), cuda_ipc (servers "
+        "on one host: prefill writes straight into decode's GPU pages) or nixl (NIXL one-sided "
+        "writes into decode's registered pages, host or GPU memory, across hosts; needs "
+        "`pip install 'kvrelay[nixl]'`)",
     )
     g.add_argument(
         "--transfer-host", default=x.transfer_host, help="decode: address the KV listener binds"
@@ -544,6 +547,14 @@ def _uvicorn_config(app, a: argparse.Namespace):
         timeout_keep_alive=KEEP_ALIVE_S,
         http=Protocol,
     )
+
+
+def _transfer_backend(name: str) -> str:
+    """--transfer-backend's value, refused at start when its optional package is missing."""
+    problem = DisaggConfig.backend_problem(name)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return name
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 
@@ -112,6 +113,18 @@ class DisaggConfig:
     test_corrupt_p: float = 0.0
     # TEST ONLY (prefill): send every KV piece and first token this many seconds late.
     test_delay_transfer_s: float = 0.0
+
+    # Transfer backends that need an optional package: backend -> (its module, how to get it).
+    OPTIONAL_BACKENDS = {"nixl": ("nixl_cu13", "pip install 'kvrelay[nixl]' (nixl-cu13)")}
+
+    @staticmethod
+    def backend_problem(name: str) -> str:
+        """Why transfer backend `name` cannot run in this environment ("" when it can): its
+        optional package is not installed. Looked up, not imported."""
+        need = DisaggConfig.OPTIONAL_BACKENDS.get(name)
+        if need is None or importlib.util.find_spec(need[0]) is not None:
+            return ""
+        return f"the {name} transfer backend needs the {need[0]} package: {need[1]}"
 
 
 @dataclass(frozen=True)

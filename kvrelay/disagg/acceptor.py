@@ -1,6 +1,7 @@
 """Decode's prefill peers: accepting their connections and decode's half of the handshake
 (handshake.py: hello, challenge, proofs, then the layout check), which ends with the offer of
-what the backend lets prefill use (cuda_ipc: decode's cache tensors). A peer that fails any step
+what the backend lets prefill use (cuda_ipc: decode's cache tensors; nixl: its NIXL agent's
+metadata and page pools). A peer that fails any step
 is told why, counted and hung up on. The receiver (receiver.py) builds on this: only
 authenticated peers' messages reach its transfer state machine.
 """
@@ -61,7 +62,7 @@ class PrefillAcceptor(TransferAgent):
             raise ConnectionError(f"prefill refused the handshake: {msg.message}")
         if shake is None:
             raise ConnectionError(f"an auth before the hello from {conn.peer}")
-        if not H.proof_ok(self._proof("prefill", shake), msg.proof):
+        if not H.proof_ok(self._proof("prefill", shake, H.binding(msg.nixl)), msg.proof):
             why = f"prefill at {conn.peer} failed to prove it holds the PD secret"
             return self._refuse(conn, P.Cause.UNAUTHENTICATED, "peer_unauthenticated", why)
         del self._handshakes[conn]
@@ -69,16 +70,21 @@ class PrefillAcceptor(TransferAgent):
         if mismatch:
             return self._refuse(conn, P.Cause.LAYOUT, "layout_mismatch", mismatch)
         self._authenticated(conn)
-        offer = self.backend.offer(self.kinds)  # cuda_ipc: the tensors prefill may write into
-        conn.send(P.encode(P.Auth(self._proof("decode", shake), offer)))
+        # Only now, to a peer that proved itself: where it may write (cuda_ipc: our tensors;
+        # nixl: our agent's metadata and page pools, which our proof covers)
+        offer = self.backend.offer(self.kinds, conn, msg)
+        bound = H.binding(offer.get("nixl"))
+        conn.send(P.encode(P.Auth(self._proof("decode", shake, bound), **offer)))
         # Prefill connects from a fresh port each time: a restart shows as peer_lost, then
         # peer_connected with a new instance id (prefill itself counts peer_restarted).
         self._connected_peer(conn)
         log.info("prefill connected peer=%s instance=%s", conn.peer, shake.hello.instance_id)
 
-    def _proof(self, role: str, shake: Handshake) -> bytes:
+    def _proof(self, role: str, shake: Handshake, bound: bytes = b"") -> bytes:
         p = shake.hello
-        return H.proof(self.secret, role, p.nonce, shake.nonce, p.instance_id, self.instance_id)
+        return H.proof(
+            self.secret, role, p.nonce, shake.nonce, p.instance_id, self.instance_id, bound
+        )
 
     def _refuse(self, conn: Connection, cause: str, event: str, message: str) -> None:
         """Tell a peer why it is refused, log it, count it, hang up."""

@@ -181,7 +181,7 @@ class TransferAgent:
             if conn in self._authed:  # our own proof is sent: heartbeats may follow it now
                 self.track(conn)
             return
-        ok = self._arrived_ok(msg, payload) if isinstance(msg, P.ChunkHeader) else True
+        ok = self._arrived_ok(msg, payload, conn) if isinstance(msg, P.ChunkHeader) else True
         if isinstance(msg, P.Hello | P.Auth):
             raise ConnectionError(f"a second {type(msg).__name__} on an authenticated connection")
         self.events.put(Event(conn, msg, payload if payload.nbytes else None, ok))
@@ -206,7 +206,7 @@ class TransferAgent:
         """A handshake message from a peer not yet authenticated (on its transport thread)."""
         raise NotImplementedError
 
-    def _arrived_ok(self, h: P.ChunkHeader, payload: memoryview) -> bool:
+    def _arrived_ok(self, h: P.ChunkHeader, payload: memoryview, conn: Connection) -> bool:
         """A piece's frame, on the transport thread: whether its payload is whole and intact."""
         return True
 
@@ -331,3 +331,4 @@ class TransferAgent:
     def close(self) -> None:
         self._stop.set()
         self.transport.close()
+        self.backend.close()

@@ -73,25 +73,27 @@ class DecodeDialer(TransferAgent):
             problem = self.hello_problem(msg)
             if problem:
                 return self._handshake_failed(peer, problem[0], problem[2], problem[1])
-            mine = self._proof("prefill", peer)
-            conn.send(P.encode(P.Auth(mine)))
+            me = self.backend.introduce()  # nixl: our agent's name, which our proof covers
+            mine = self._proof("prefill", peer, H.binding(me))
+            conn.send(P.encode(P.Auth(mine, nixl=me)))
             return
         if not peer.decode_nonce:
             raise ConnectionError(f"an auth before the hello from {conn.peer}")
-        if not H.proof_ok(self._proof("decode", peer), msg.proof):
+        if not H.proof_ok(self._proof("decode", peer, H.binding(msg.nixl)), msg.proof):
             why = f"decode at {conn.peer} failed to prove it holds the PD secret"
             return self._handshake_failed(peer, P.Cause.UNAUTHENTICATED, why)
-        try:  # what decode offers (cuda_ipc: its cache tensors) makes the peer's link
-            peer.link = self.backend.link(msg.ipc, self.worker)
+        try:  # what decode offers (cuda_ipc: its cache tensors; nixl: its agent) makes the link
+            peer.link = self.backend.link(msg, self.worker)
         except LinkError as e:
             return self._handshake_failed(peer, P.Cause.IPC, str(e))
         self._authenticated(conn)
         peer.ready.set()
 
-    def _proof(self, role: str, peer: Peer) -> bytes:
+    def _proof(self, role: str, peer: Peer, bound: bytes = b"") -> bytes:
         return H.proof(
-            self.secret, role, peer.nonce, peer.decode_nonce, self.instance_id, peer.instance_id
-        )
+            self.secret, role, peer.nonce, peer.decode_nonce, self.instance_id, peer.instance_id,
+            bound,
+        )  # fmt: skip
 
     def _on_bad_message(self, conn: Connection, why: str) -> None:
         peer = self._handshakes.get(conn)

@@ -6,6 +6,9 @@ Handshake (one per transport connection, before any other message is accepted):
     decode  -> prefill  Hello(nonce_d)
     prefill -> decode   Auth(proof("prefill"))          decode checks it, else refuses the peer
     decode  -> prefill  Auth(proof("decode"), ipc=...)  prefill checks it, else refuses the peer
+(nixl backend: each Auth names its side's NIXL agent, decode's with its metadata and page pools;
+the proof covers that field too (`binding`), so neither side loads or trusts an agent that a
+holder of the secret did not vouch for on this connection.)
 A proof is HMAC-SHA256 with the secret over the role, both nonces and both instance ids: fresh per
 connection (each side's own nonce is in the other's proof, so a recorded proof is worthless) and
 bound to its direction (a proof cannot be reflected back). Compared in constant time. The frames
@@ -25,6 +28,8 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+
+import msgspec
 
 from kvrelay.config import env
 
@@ -49,17 +54,28 @@ def proof(
     decode_nonce: bytes,
     prefill_instance: str,
     decode_instance: str,
+    bound: bytes = b"",
 ) -> bytes:
-    """What `role` ("prefill" or "decode") sends to prove it holds `secret` on this connection."""
-    return _mac(
-        secret,
+    """What `role` ("prefill" or "decode") sends to prove it holds `secret` on this connection;
+    `bound`: what else of its Auth the proof vouches for (`binding`; b"": nothing, the proof of
+    a tcp or cuda_ipc Auth)."""
+    parts = [
         b"kvrelay-pd-handshake-v1",
         role.encode(),
         prefill_nonce,
         decode_nonce,
         prefill_instance.encode(),
         decode_instance.encode(),
-    )
+    ]
+    return _mac(secret, *parts, *([b"bound", bound] if bound else []))
+
+
+def binding(nixl) -> bytes:
+    """What an Auth's proof covers of its NIXL agent (protocol.NixlAgent, None: nothing): the
+    SHA-256 of its encoding (msgpack of a struct is canonical: the same fields, the same bytes)."""
+    if nixl is None:
+        return b""
+    return hashlib.sha256(msgspec.msgpack.encode(nixl)).digest()
 
 
 def proof_ok(expected: bytes, got: bytes) -> bool:

@@ -29,7 +29,8 @@ from kvrelay.engine.messages import PDParams  # noqa: F401
 # for models with per-request state (DeepSeek-V4's per-page compressor state travels as a kind);
 # 7: ReserveAck.resume_rows replaces every_row (only the window rows a hit at the prompt's last
 # full page boundary reads, not every row; a page's end state: the last full page's only)
-PROTOCOL_VERSION = 7
+# 8: Auth.nixl (the NIXL agents' names, decode's metadata and page pools; bound to the proofs)
+PROTOCOL_VERSION = 8
 
 # Field limits: a received message that breaks one is refused whole (msgspec.ValidationError).
 Id = Annotated[str, msgspec.Meta(max_length=256)]  # ids, names, addresses, fingerprints
@@ -81,13 +82,42 @@ class IpcTensor(msgspec.Struct, frozen=True):
     event_sync_required: bool
 
 
+MAX_NIXL_METADATA = 512 << 10  # a NIXL agent's metadata (connection info + memory keys)
+
+
+class NixlRegion(msgspec.Struct, frozen=True):
+    """One cache kind's byte rows in decode's memory, registered with its NIXL agent: where
+    prefill's one-sided writes of that kind land. Plain numbers: NIXL itself refuses a write
+    outside what decode registered (its metadata's memory keys)."""
+
+    name: Id  # the cache kind
+    addr: Count  # row 0, in decode's address space
+    rows: Count
+    row_bytes: Count
+    row_stride: Count  # bytes from one row to the next
+    device: Annotated[int, msgspec.Meta(ge=-1, le=1024)]  # -1: host memory (DRAM), else a GPU
+
+
+class NixlAgent(msgspec.Struct, frozen=True):
+    """A side's NIXL agent, in its Auth (nixl backend): prefill names its agent (decode takes
+    notifications from that name only, on this connection); decode adds its agent's metadata and
+    page pools (prefill loads them to write into decode's pages). The proof of the Auth that
+    carries it covers it (handshake.binding)."""
+
+    name: Id
+    metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_NIXL_METADATA)] = b""
+    regions: Annotated[list[NixlRegion], msgspec.Meta(max_length=MAX_KINDS)] = []
+
+
 class Auth(msgspec.Struct, tag=True):
-    """Each side's proof that it holds the PD secret (handshake.proof over both nonces).
-    Prefill sends it first; decode answers with its own only once prefill's checked, and only
-    then shares its cache tensors (cuda_ipc backend)."""
+    """Each side's proof that it holds the PD secret (handshake.proof over both nonces, and
+    the Auth's nixl field when it has one). Prefill sends it first; decode answers with its own
+    only once prefill's checked, and only then shares its cache tensors (cuda_ipc backend) or
+    its NIXL agent's metadata and page pools (nixl backend)."""
 
     proof: Proof
     ipc: Annotated[list[IpcTensor], msgspec.Meta(max_length=MAX_KINDS)] = []
+    nixl: NixlAgent | None = None
 
 
 class ReserveRequest(msgspec.Struct, tag=True):

@@ -303,8 +303,8 @@ class DecodeReceiver(PrefillAcceptor):
         t.install_s += time.monotonic() - began
         self._count_bytes(expected, intake.name)
 
-    def _arrived_ok(self, h: P.ChunkHeader, payload: memoryview) -> bool:
-        return self.intakes[h.in_place].arrived_ok(h, payload)
+    def _arrived_ok(self, h: P.ChunkHeader, payload: memoryview, conn: Connection) -> bool:
+        return self.intakes[h.in_place].arrived_ok(h, payload, conn)
 
     def _finish(self, t: DecodeTransfer, f: P.FirstToken) -> None:
         req = t.req
@@ -379,6 +379,7 @@ class DecodeReceiver(PrefillAcceptor):
     def _on_conn_lost(self, conn: Connection, reason: str) -> None:
         self._handshakes.pop(conn, None)
         self._lost_peer(conn)
+        self.backend.forget(conn)  # what the backend kept of this peer (nixl: its agent's name)
         for tid, f in list(self.fences.items()):
             if f.conn is conn:  # nothing more arrives on it: nothing more is written
                 self._lift(tid)

@@ -233,7 +233,7 @@ class PrefillSender(DecodeDialer):
         began = time.monotonic()
         piece = Piece(
             kinds, start, end, len(req.prompt_ids), t.resume_rows, req.pages, req.state_slot,
-            t.dst_pages, t.dst_slot,
+            t.dst_pages, t.dst_slot, t.pd.transfer_id,
         )  # fmt: skip
         moved = link.move(piece, t.fault)
         hdr = P.ChunkHeader(
@@ -343,6 +343,8 @@ class PrefillSender(DecodeDialer):
         for addr, peer in list(self.peers.items()):
             if peer.conn is conn:
                 del self.peers[addr]
+                if peer.link is not None:
+                    peer.link.close()  # nixl: forget decode's agent
         for t in list(self.transfers.values()):
             if t.peer is not None and t.peer.conn is conn:
                 self._fail(

@@ -1,5 +1,5 @@
-"""Transfer backends behind one interface (base.py): tcp (framed.py) and cuda_ipc (in_place.py);
-NIXL and others later."""
+"""Transfer backends behind one interface (base.py): tcp (framed.py), cuda_ipc (in_place.py) and
+nixl (nixl.py: NIXL one-sided writes; needs the optional nixl package)."""
 
 from __future__ import annotations
 
@@ -20,4 +20,8 @@ def make_backend(name: str, checksum: bool, device: torch.device) -> Backend:
         from kvrelay.disagg.transport.in_place import CudaIpcBackend
 
         return CudaIpcBackend(checksum, device)
-    raise ValueError(f"unknown transfer backend {name!r} (available: tcp, cuda_ipc)")
+    if name == "nixl":
+        from kvrelay.disagg.transport.nixl import NixlBackend
+
+        return NixlBackend(checksum, device)
+    raise ValueError(f"unknown transfer backend {name!r} (available: tcp, cuda_ipc, nixl)")

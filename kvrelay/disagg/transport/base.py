@@ -9,8 +9,13 @@ into decode's. Prefill's `PieceLink` (one per decode peer, chosen at the handsha
 tcp gathers them to host bytes that travel as the frame's payload, cuda_ipc writes them straight
 into decode's pages. Decode's `PieceIntake` (one per way a piece can come: ChunkHeader.in_place)
 checks them and installs them: tcp through the engine's worker side, cuda_ipc verifies the rows
-prefill wrote. The sender and receiver state machines only ever call these; a NIXL backend is
-one more `Backend` (registered device memory + remote writes, headers still as frames).
+prefill wrote. The sender and receiver state machines only ever call these; the nixl backend
+(nixl.py) is one more `Backend`: registered memory, one-sided writes and notifications, headers
+still as frames.
+
+What the two sides tell each other of their backend travels in the handshake's Auth messages:
+prefill's `introduce()` goes in its Auth, decode's `offer()` (made only once prefill's proof is
+checked) in its answer, and prefill's `link()` reads that answer.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvrelay.cache.spec import CacheKind
-    from kvrelay.disagg.protocol import ChunkHeader, IpcTensor
+    from kvrelay.disagg.protocol import Auth, ChunkHeader, NixlAgent
     from kvrelay.engine.pd_connector import WorkerSide
 
 Buffer = bytes | bytearray | memoryview
@@ -92,6 +97,7 @@ class Piece:
     slot: int
     dst_pages: list[int]
     dst_slot: int
+    transfer_id: str = ""  # the transfer it belongs to (a backend's notification names it)
 
 
 @dataclass
@@ -122,7 +128,8 @@ class PieceFault(Protocol):
 
 
 class LinkError(Exception):
-    """A decode peer's offer (Auth.ipc) cannot be used: the handshake fails with cause ipc."""
+    """A decode peer's offer (its Auth's ipc or nixl) cannot be used: the handshake fails with
+    cause ipc."""
 
 
 class PieceLink(ABC):
@@ -139,7 +146,12 @@ class PieceLink(ABC):
     @abstractmethod
     def move(self, piece: Piece, fault: PieceFault | None) -> Moved:
         """Move the piece's bytes (its header, built from the result, goes next; a write into
-        decode's memory must be complete before). Engine thread."""
+        decode's memory must be complete before). Engine thread. Raises ConnectionError when
+        the bytes cannot reach decode (the transfer fails as peer_connection_lost)."""
+
+    def close(self) -> None:
+        """The peer's connection is gone: let go of what the link holds of it."""
+        return
 
 
 class PieceIntake(ABC):
@@ -147,8 +159,9 @@ class PieceIntake(ABC):
 
     name: str  # the backend the bytes count under (pd_bytes metrics)
 
-    def arrived_ok(self, h: ChunkHeader, payload: memoryview) -> bool:
-        """On the transport thread, as the frame arrives: its payload's size and checksum."""
+    def arrived_ok(self, h: ChunkHeader, payload: memoryview, conn: Connection) -> bool:
+        """On the transport thread of `conn`, as the frame arrives: its payload's size and
+        checksum (nixl: whether the piece's notification came)."""
         return True
 
     @abstractmethod
@@ -173,17 +186,32 @@ class Backend(ABC):
     name: str
     transport: Transport
 
-    def offer(self, kinds: list[CacheKind]) -> list[IpcTensor]:
-        """Decode, in its Auth: the memory prefill may write pieces into (none: [])."""
-        return []
+    def introduce(self) -> NixlAgent | None:
+        """Prefill, in its Auth: what decode should know of this side's backend (nixl: its
+        agent's name)."""
+        return None
+
+    def offer(self, kinds: list[CacheKind], conn: Connection, peer: Auth) -> dict:
+        """Decode, once `peer` (prefill's Auth on `conn`) is authenticated: the fields of its
+        answering Auth that say where prefill may write pieces (cuda_ipc: {"ipc": tensors};
+        nixl: {"nixl": agent}; none: {})."""
+        return {}
+
+    def forget(self, conn: Connection) -> None:
+        """Decode: a prefill's connection is gone (what `offer` kept of it goes)."""
+        return
 
     @abstractmethod
-    def link(self, offer: list[IpcTensor], worker: WorkerSide) -> PieceLink:
+    def link(self, offer: Auth, worker: WorkerSide) -> PieceLink:
         """Prefill, from decode's Auth: how pieces reach that peer; raises LinkError."""
 
     @abstractmethod
     def intakes(self, worker: WorkerSide) -> dict[bool, PieceIntake]:
         """Decode: the intake for each ChunkHeader.in_place value."""
+
+    def close(self) -> None:
+        """The agent closes: let go of what the backend holds beyond its transport."""
+        return
 
 
 def checksum_mismatch(h: ChunkHeader) -> str:

@@ -43,7 +43,7 @@ class FramedIntake(PieceIntake):
     def __init__(self, worker: WorkerSide, checksum: bool) -> None:
         self.worker, self.checksum = worker, checksum
 
-    def arrived_ok(self, h: P.ChunkHeader, payload: memoryview) -> bool:
+    def arrived_ok(self, h: P.ChunkHeader, payload: memoryview, conn=None) -> bool:
         if payload.nbytes != h.nbytes:
             return False
         if h.checksum is not None and self.checksum:

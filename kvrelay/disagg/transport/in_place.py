@@ -46,6 +46,18 @@ def check_remote(remote: dict[str, torch.Tensor], kinds: list[CacheKind]) -> tup
     return pages, slots
 
 
+def reservation_problem(limits: tuple[int, int], pages: list[int], slot: int, need: int) -> str:
+    """Writes land where decode's ack says: every page and the slot must exist among decode's
+    `limits` (its page and slot counts), and the pages must hold a `need`-page prompt."""
+    n_pages, slots = limits
+    if len(pages) < need or any(p >= n_pages for p in pages) or slot >= slots:
+        return (
+            f"decode's reservation ({len(pages)} pages, slot {slot}) does not fit "
+            f"a {need}-page prompt in its {n_pages} pages and {slots} slots"
+        )
+    return ""
+
+
 class InPlaceLink(PieceLink):
     """Writes pieces into a decode peer's shared tensors (its kinds' byte rows, by name)."""
 
@@ -60,14 +72,7 @@ class InPlaceLink(PieceLink):
         self.remote, self.page_size, self.checksum = remote, page_size, checksum
 
     def destination_problem(self, pages: list[int], slot: int, need_pages: int) -> str:
-        """The writes land where decode's ack says: every page and the slot must exist."""
-        n_pages, slots = self.limits
-        if len(pages) < need_pages or any(p >= n_pages for p in pages) or slot >= slots:
-            return (
-                f"decode's reservation ({len(pages)} pages, slot {slot}) does not fit "
-                f"a {need_pages}-page prompt in its {n_pages} pages and {slots} slots"
-            )
-        return ""
+        return reservation_problem(self.limits, pages, slot, need_pages)
 
     def move(self, piece: Piece, fault: PieceFault | None) -> Moved:
         p, ps = piece, self.page_size
@@ -119,15 +124,15 @@ class CudaIpcBackend(TcpBackend):
             raise ValueError("the cuda_ipc transfer backend needs the engine on a CUDA device")
         super().__init__(checksum)
 
-    def offer(self, kinds: list[CacheKind]) -> list[P.IpcTensor]:
+    def offer(self, kinds: list[CacheKind], conn, peer: P.Auth) -> dict:
         # prefill writes into these rows, and may now know where they are
-        return export_tensors({k.name: k.byte_rows for k in kinds})
+        return {"ipc": export_tensors({k.name: k.byte_rows for k in kinds})}
 
-    def link(self, offer: list[P.IpcTensor], worker: WorkerSide) -> PieceLink:
-        if not offer:  # decode shares nothing (a tcp decode): the bytes go in frames
+    def link(self, offer: P.Auth, worker: WorkerSide) -> PieceLink:
+        if not offer.ipc:  # decode shares nothing (a tcp or nixl decode): the bytes go in frames
             return FramedLink(worker, self.checksum)
         try:
-            remote = open_tensors(offer)
+            remote = open_tensors(offer.ipc)
             return InPlaceLink(remote, worker.kinds, worker.page_size, self.checksum)
         except Exception as e:  # a bad description, another host, no peer access: say so
             raise LinkError(
