@@ -10,7 +10,9 @@ paired with a tcp one frames its pieces. Strangers: a peer without the PD secret
 decode to take its NIXL agent (nor gets decode's metadata), a changed NIXL field breaks the proof,
 notifications from an agent no authenticated connection named are dropped.
 Real servers (one SmolLM2 stack): PD through the router == the single server at concurrency 1
-and 16, bytes counted under nixl, a stranger at the real transfer port refused.
+and 16, bytes counted under nixl, a stranger at the real transfer port refused, then decode and
+prefill each SIGKILLed mid-transfer (errors within the bound, nothing held) and restarted alone
+(a new NIXL agent, metadata exchanged again; the next 32 requests succeed).
 """
 
 from __future__ import annotations
@@ -20,10 +22,19 @@ import time
 
 import httpx
 import pytest
+from conftest import free_port
 from engine_pair import PARAMS, PD_SECRET, dense_engine, dsv4_engine, pairs
 from fake_peer import FakePeer, hello
 from openai_calls import assert_same_outputs, client, run_spec, run_specs
 from pd_stack import PDStack, bootstrap_events, metrics
+from test_pd_lost_peers import (
+    BOOTSTRAP,
+    _check_failures,
+    _in_flight_then,
+    _new_failures,
+    _restart_alone,
+    _transfers,
+)
 
 from kvrelay.disagg import handshake as H
 from kvrelay.disagg import protocol as P
@@ -205,6 +216,32 @@ def test_a_lost_decode_fails_prefill_and_lets_its_agent_go(make_pair):
     assert pr.p.scheduler.page_pool.num_used == 0
 
 
+def test_a_lost_prefill_mid_transfer_fails_decode_and_forgets_its_agent(make_pair):
+    pr = make_pair(dense("prefill"), dense("decode"))
+    pr.submit("p1", _prompts([100])[0])
+
+    def receiving() -> bool:
+        t = next(iter(pr.d.agent.transfers.values()), None)
+        return t is not None and t.num_chunks > 0
+
+    pr.pump(receiving)
+    backend = pr.d.agent.backend
+    assert len(backend.peers) == 1 and backend.agent.senders
+    pr.p.agent.close()  # prefill goes away with pieces still to send
+    deadline = time.time() + 10
+    while not pr.finished("decode", "p1"):
+        assert time.time() < deadline, pr.outs
+        pr.d.poll_transfers()
+        if pr.d.has_work:
+            for o in pr.d.step().outputs:
+                pr.outs.setdefault(("decode", o.rid), []).append(o)
+        time.sleep(0.005)
+    _failed(pr, "p1", "decode", Cause.PEER_LOST)
+    assert backend.peers == {} and backend.agent.senders == {}  # its agent's notifications: no more
+    pr.d.flush_prefix_cache()
+    assert pr.d.scheduler.page_pool.num_used == 0
+
+
 @pytest.mark.parametrize("sides", [("nixl", "tcp"), ("tcp", "nixl")])
 def test_a_nixl_side_with_a_tcp_peer_frames_its_pieces(make_pair, sides):
     single = dense("single")
@@ -341,8 +378,13 @@ STORY = (
 
 @pytest.fixture(scope="module")
 def pd():
+    # No prefix cache (the kill tests catch requests mid-transfer) and a fixed transfer port
+    # (the restarted decode is where it was: prefill sees a new instance there).
+    nixl = ("--transfer-backend", "nixl", "--disable-prefix-cache")
     stack = PDStack(
-        prefill_args=("--transfer-backend", "nixl"), decode_args=("--transfer-backend", "nixl")
+        prefill_args=nixl,
+        decode_args=(*nixl, "--transfer-port", str(free_port())),
+        max_total_tokens=8192,
     )
     yield stack
     stack.close()
@@ -405,3 +447,69 @@ def test_a_stranger_at_a_real_decode_gets_no_nixl_metadata(pd):
     assert isinstance(refusal, P.Failure) and refusal.cause == Cause.UNAUTHENTICATED
     assert peer.hung_up()
     assert "cause=peer_unauthenticated" in pd.decode.log()
+
+
+def _counted(url: str, before: dict, timeout: float = 15.0) -> dict[str, float]:
+    """The transfer failures a server counted since `before`, once there are some (the engine
+    ships its counters to the API a moment later)."""
+    deadline = time.time() + timeout
+    while True:
+        lost = _new_failures(url, before, "kvrelay_pd_transfer_failures_total")
+        if lost:
+            return lost
+        assert time.time() < deadline, f"{url} counted no transfer failure"
+        time.sleep(0.2)
+
+
+def test_decode_killed_mid_transfer_then_restarted_alone(pd):
+    """NIXL writes into a decode that dies: prefill's failed writes and the lost connection end
+    every transfer within the bound, prefill lets the dead agent go, and the restarted decode's
+    new agent (new metadata, same address) serves the next requests through NIXL."""
+    prefill_before = metrics(pd.prefill.url)
+    outs, t_kill = _in_flight_then(
+        pd,
+        400,
+        ready=lambda s, streaming: (
+            streaming and _transfers(s.decode.url, "reserved", "receiving") > 0
+        ),
+        action=lambda: pd.kill("decode"),
+    )
+    # A request whose NIXL write is the first to find decode gone fails on prefill first
+    # (peer_connection_lost: UCX notices the death before the TCP connection's close arrives).
+    causes = {"decode_unreachable", "stream_broken", "peer_connection_lost"}
+    failed = _check_failures(outs, t_kill, causes)
+    print(
+        f"decode killed: {len(failed)} failed, last {max(o['end'] for o in failed) - t_kill:.1f}s after"
+    )
+    assert httpx.get(pd.prefill.url + "/health", timeout=5).status_code == 200
+    lost = _counted(pd.prefill.url, prefill_before)
+    assert set(lost) <= {"peer_connection_lost", "aborted"}, lost
+    sent = _bytes(pd.prefill.url, "sent")
+    _restart_alone(pd, "decode")  # 32 requests succeed, then idle on both sides
+    events = _new_failures(pd.prefill.url, prefill_before, BOOTSTRAP)
+    assert events.get("peer_restarted") == 1 and not events.get("ipc_open_failed"), events
+    assert _bytes(pd.prefill.url, "sent") > sent and _bytes(pd.decode.url, "installed") > 0
+
+
+def test_prefill_killed_mid_transfer_then_restarted_alone(pd):
+    decode_before = metrics(pd.decode.url)
+    outs, t_kill = _in_flight_then(
+        pd,
+        24,
+        ready=lambda s, streaming: (
+            _transfers(s.prefill.url, "prefilling") > 0
+            and _transfers(s.decode.url, "receiving") > 0
+        ),
+        action=lambda: pd.kill("prefill"),
+    )
+    _check_failures(outs, t_kill, {"prefill_unreachable", "peer_connection_lost"}, late_ok=True)
+    assert httpx.get(pd.decode.url + "/health", timeout=5).status_code == 200
+    deadline = time.time() + 15
+    while _transfers(pd.decode.url, "reserved", "receiving", "orphaned", "fenced"):
+        assert time.time() < deadline, "decode still holds transfers of the dead prefill"
+        time.sleep(0.2)
+    lost = _counted(pd.decode.url, decode_before)
+    assert set(lost) <= {"peer_connection_lost", "aborted"}, lost
+    installed = _bytes(pd.decode.url, "installed")
+    _restart_alone(pd, "prefill")
+    assert _bytes(pd.decode.url, "installed") > installed  # the new prefill's agent writes too
