@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import free_port
+from conftest import ServerProcess, free_port
 from engine_pair import PARAMS, PD_SECRET, dense_engine, dsv4_engine, pairs
-from fake_peer import FakePeer, hello
+from fake_peer import FakeDecode, FakePeer, hello
 from openai_calls import assert_same_outputs, client, run_spec, run_specs
-from pd_stack import PDStack, bootstrap_events, metrics
+from pd_stack import PDStack, bootstrap_events, engine_threads, metrics
+from test_pd_dsv4 import _specs as dsv4_specs
 from test_pd_lost_peers import (
     BOOTSTRAP,
     _check_failures,
@@ -35,6 +37,7 @@ from test_pd_lost_peers import (
     _restart_alone,
     _transfers,
 )
+from test_transfer_auth import _prefill_alone
 
 from kvrelay.disagg import handshake as H
 from kvrelay.disagg import protocol as P
@@ -367,6 +370,57 @@ def test_the_proof_covers_the_nixl_agent_both_ways(decode):
     peer.close()
 
 
+@pytest.fixture(scope="module")
+def prefill():
+    e = dense("prefill", connect_timeout_s=1.0)
+    yield e
+    e.agent.close()
+
+
+def _fake_decode(prefill, answer):
+    """A listener playing decode: hello, prefill's Auth (what it says of its agent: its name
+    only), then `answer(args)` as decode's Auth (args: both nonces and instance ids)."""
+    said = []
+
+    def script(peer: FakePeer, prefill_hello) -> None:
+        mine = hello(prefill, "decode")
+        peer.send(mine)
+        auth = peer.recv()
+        said.append(auth)
+        peer.send(
+            answer((prefill_hello.nonce, mine.nonce, prefill_hello.instance_id, mine.instance_id))
+        )
+
+    return FakeDecode(script), said
+
+
+def test_an_impostor_decode_cannot_get_prefill_to_load_its_nixl_agent(prefill):
+    stranger = _stranger_agent()
+    offer = P.NixlAgent(
+        stranger.name, stranger.nx.get_agent_metadata(), N.regions(prefill.agent.kinds)
+    )
+    fake, said = _fake_decode(prefill, lambda args: P.Auth(secrets.token_bytes(32), nixl=offer))
+    o = _prefill_alone(prefill, "i1", fake.addr)
+    fake.join()
+    assert o.cause == Cause.UNAUTHENTICATED and "failed to prove" in o.error, o.error
+    assert prefill.agent.backend.agent.remote == {}  # its metadata was never loaded
+    nixl = said[0].nixl  # prefill named its agent, and showed nothing more of it
+    assert nixl.name == prefill.agent.backend.agent.name and not nixl.metadata and not nixl.regions
+    stranger.close()
+
+
+def test_nixl_metadata_that_cannot_load_is_an_ipc_failure(prefill):
+    offer = P.NixlAgent("kvrelay-bogus", b"not nixl metadata", N.regions(prefill.agent.kinds))
+    fake, _ = _fake_decode(
+        prefill,
+        lambda args: P.Auth(H.proof(PD_SECRET, "decode", *args, H.binding(offer)), nixl=offer),
+    )
+    o = _prefill_alone(prefill, "i2", fake.addr)
+    fake.join()
+    assert o.cause == Cause.IPC and "cannot load decode's NIXL agent" in o.error, o.error
+    assert prefill.agent.backend.agent.remote == {}
+
+
 # -- real servers: SmolLM2 through the router ------------------------------------------------------
 
 MODEL = "smollm2"
@@ -513,3 +567,55 @@ def test_prefill_killed_mid_transfer_then_restarted_alone(pd):
     installed = _bytes(pd.decode.url, "installed")
     _restart_alone(pd, "prefill")
     assert _bytes(pd.decode.url, "installed") > installed  # the new prefill's agent writes too
+
+
+# -- real servers: DeepSeek-V4 (dsv4-tiny, dummy weights) through the router ----------------------
+
+DSV4 = ("--model", "dsv4-tiny", "--load-format", "dummy")
+
+
+@pytest.fixture(scope="module")
+def dsv4_servers():
+    """A single dsv4-tiny server and a nixl PD stack of the same model (prefill chunks of 22
+    tokens: chunks end mid compressor window), started side by side."""
+    nixl = ("--transfer-backend", "nixl")
+    with engine_threads(), ThreadPoolExecutor(2) as ex:
+        fs = ex.submit(
+            ServerProcess, *DSV4, "--max-total-tokens", "4096", "--max-num-batched-tokens", "64"
+        )
+        fp = ex.submit(
+            PDStack,
+            prefill_args=(*nixl, "--max-num-batched-tokens", "22"),
+            decode_args=nixl,
+            max_total_tokens=4096,
+            model=DSV4,
+        )
+    try:
+        yield fs.result(), fp.result()
+    finally:
+        for f in (fs, fp):
+            if f.exception() is None:
+                f.result().close()
+
+
+def test_dsv4_pd_over_nixl_equals_single_server_at_concurrency_1_and_16(dsv4_servers):
+    single, pd = dsv4_servers
+    # test_pd_dsv4.py's requests (prompts up to 175 tokens: compressed entries of both ratios,
+    # a full window, open compressor windows), each twice: 16 at once
+    specs = dsv4_specs() * 2
+    want = run_specs(single.url, "dsv4-tiny", specs)
+    got = run_specs(pd.router.url, "dsv4-tiny", specs)
+    # within 1e-4 relative: served dsv4-tiny simulates QAT (test_pd_dsv4.py says why)
+    assert_same_outputs(specs, want, got, rel=1e-4, abs=1e-4)
+    c = client(pd.router.url)
+    alone = [run_spec(c, "dsv4-tiny", s) for s in specs[:3]]
+    assert_same_outputs(specs[:3], want[:3], alone, rel=1e-4, abs=1e-4)
+    pd.wait_idle()
+    sent, installed = _bytes(pd.prefill.url, "sent"), _bytes(pd.decode.url, "installed")
+    assert sent == installed > 0
+    assert (
+        metrics(pd.prefill.url).get(
+            'kvrelay_pd_transfer_bytes_total{backend="tcp",direction="sent"}', 0
+        )
+        == 0
+    )  # every kind went through NIXL, none framed
