@@ -30,13 +30,15 @@ def forward_batched(
     profile: StepProfiler | None = None,
     head: bool = True,
     streams_out: list | None = None,
+    index: StepIndex | None = None,
 ) -> torch.Tensor:
     """input_ids [T] -> logits [len(sample_rows), V] in the model dtype (without `head`: the
     final hidden states of those rows, which the LM head maps to logits). `kernels` are the fused
     replacements of the blocks' torch ops (None: torch). `streams_out`: gets every row's final
-    streams [T, hc, hidden] appended (what the MTP block reads)."""
+    streams [T, hc, hidden] appended (what the MTP block reads); `index`: the step's index
+    tensors, when the caller shares them with the MTP pass (built here otherwise)."""
     m = model.model
-    index = StepIndex(meta, m.config.sliding_window)
+    index = index or StepIndex(meta, m.config.sliding_window)
     with fused_glue(kernels is not None):  # the Triton path compiles the glue between kernels
         x = m.embed_tokens(input_ids)
         streams = x[:, None, :].expand(-1, m.config.hc_mult, -1).contiguous()
@@ -73,6 +75,7 @@ def mtp_batched(
     streams: torch.Tensor,
     next_ids: torch.Tensor,
     meta: BatchMeta,
+    index: StepIndex,
     pool,
     rows: torch.Tensor,
     ops: AttentionOps,
@@ -80,10 +83,10 @@ def mtp_batched(
 ) -> torch.Tensor:
     """The MTP block over the step `meta` described: row t reads the main model's final
     streams at t and the embedding of token t+1 (`next_ids`), writes its window row (the pool's
-    MTP rows, after the layers'), and the logits [len(rows), V] of `rows` predict token t+2."""
+    MTP rows, after the layers'), and the logits [len(rows), V] of `rows` predict token t+2.
+    `index`: the step's (the main forward's) index tensors, computed once for both."""
     m = model.model
     mtp, layer = m.mtp[0], len(m.layers)
-    index = StepIndex(meta, m.config.sliding_window)
     with fused_glue(kernels is not None):
         e = mtp.e_proj(mtp.enorm(m.embed_tokens(next_ids)))
         x = e[:, None, :] + mtp.h_proj(mtp.hnorm(streams))

@@ -12,7 +12,7 @@ from kvrelay.cache.spec import CacheSpec
 from kvrelay.config import EngineConfig
 from kvrelay.layers.parallel import TPGroup
 from kvrelay.models.base import Scheduled
-from kvrelay.models.deepseek_v4.batch_meta import build_meta
+from kvrelay.models.deepseek_v4.batch_meta import StepIndex, build_meta
 from kvrelay.models.deepseek_v4.batched import forward_batched, mtp_batched
 from kvrelay.models.deepseek_v4.cache_pool import DeepseekV4CachePool
 from kvrelay.models.deepseek_v4.cache_spec import dsv4_cache_spec, dsv4_page_size
@@ -58,7 +58,7 @@ class DeepseekV4Runnable:
         # --speculative-algorithm mtp: the MTP block runs over every step's rows (its window
         # rows in the pool) once the step's tokens are committed, and drafts the next token
         self.mtp = cfg.speculative.algorithm == "mtp"
-        self._mtp_inputs = None  # (final streams of every row, meta, step) of the last forward
+        self._mtp_inputs = None  # (every row's final streams, meta, index, step): last forward
 
     @staticmethod
     def check(cfg: EngineConfig, model_cfg: DeepseekV4Config, device: torch.device) -> None:
@@ -125,12 +125,13 @@ class DeepseekV4Runnable:
                 self.device,
             )  # fmt: skip
             streams = [] if self.mtp else None
+            index = StepIndex(meta, self.model_cfg.sliding_window)  # shared with the MTP pass
             hidden = forward_batched(
                 self.model, input_ids, meta, self.pool, rows_t, self.ops, self.kernels, profile,
-                head=False, streams_out=streams,
+                head=False, streams_out=streams, index=index,
             )  # fmt: skip
             if self.mtp:
-                self._mtp_inputs = (streams[0], meta, step)
+                self._mtp_inputs = (streams[0], meta, index, step)
         logits = self.model.compute_logits(hidden[: step.n_sampled]).float()
         return logits, hidden[step.n_sampled :]
 
@@ -172,7 +173,7 @@ class DeepseekV4Runnable:
         ones (rejected drafts) write window rows that later steps overwrite."""
         if self._mtp_inputs is None:
             return
-        streams, meta, step = self._mtp_inputs
+        streams, meta, index, step = self._mtp_inputs
         self._mtp_inputs = None
         nxt = step.ids[1:] + [0]
         rows, owners, first = [], [], 0
@@ -192,7 +193,7 @@ class DeepseekV4Runnable:
         next_ids = torch.tensor(nxt, dtype=torch.long).to(dev, non_blocking=True)
         rows_t = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
         logits = mtp_batched(
-            self.model, streams, next_ids, meta, self.pool, rows_t, self.ops, self.kernels
+            self.model, streams, next_ids, meta, index, self.pool, rows_t, self.ops, self.kernels
         )
         for req, d in zip(owners, logits.argmax(dim=-1).tolist(), strict=True):
             req.mtp_draft, req.mtp_draft_at = [d], req.num_tokens
