@@ -34,7 +34,7 @@ def fusable(fn: F) -> F:
     @functools.wraps(fn)
     def call(*args, **kwargs):
         nonlocal compiled
-        if not (_ACTIVE.get() and args[0].is_cuda):
+        if not glue_active(args[0]):
             return fn(*args, **kwargs)
         if compiled is None:
             _raise_recompile_limit()
