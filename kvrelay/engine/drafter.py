@@ -72,6 +72,12 @@ class SpecStats:
         return d
 
 
+def draft_room(req: Request, k: int, budget: int, max_model_len: int) -> int:
+    """How many drafts req may verify this step: the bonus token is emitted too, so drafts + 1
+    within max_tokens and the context (and within K and the step budget)."""
+    return min(k, budget, req.remaining_max_tokens - 1, max_model_len - 1 - req.num_tokens)
+
+
 class NgramDrafter:
     def __init__(self, spec: SpeculativeConfig, max_model_len: int) -> None:
         self.k = spec.num_draft_tokens
@@ -83,13 +89,7 @@ class NgramDrafter:
         """Up to min(K, budget) drafts for req's next step; [] when it decodes plainly."""
         if req.matcher is not None or not req.output_ids:
             return []
-        # The bonus token is emitted too: drafts + 1 within max_tokens and the context.
-        room = min(
-            self.k,
-            budget,
-            req.remaining_max_tokens - 1,
-            self.max_model_len - 1 - req.num_tokens,
-        )
+        room = draft_room(req, self.k, budget, self.max_model_len)
         if room <= 0:
             return []
         index = req.draft_index
@@ -113,10 +113,7 @@ class MtpDrafter:
     def propose(self, req: Request, budget: int) -> list[int]:
         if req.matcher is not None or not req.output_ids or req.mtp_draft_at != req.num_tokens:
             return []
-        room = min(
-            self.k, budget, req.remaining_max_tokens - 1, self.max_model_len - 1 - req.num_tokens
-        )
-        return req.mtp_draft[: max(room, 0)]
+        return req.mtp_draft[: max(draft_room(req, self.k, budget, self.max_model_len), 0)]
 
 
 def make_drafter(
