@@ -8,12 +8,13 @@ import dataclasses
 
 import pytest
 import torch
+from eager_graphs import use_eager_graphs
 
 from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvrelay.engine.engine import Engine, generate
 from kvrelay.engine.messages import SamplingParams
 from kvrelay.models.deepseek_v4.batch_meta import build_meta
-from kvrelay.models.deepseek_v4.graphs import Dsv4GraphRunner, context_bucket
+from kvrelay.models.deepseek_v4.graphs import context_bucket
 from kvrelay.weights.loader import resolve
 
 VOCAB = resolve("dsv4-tiny", "dummy").config.vocab_size
@@ -75,27 +76,11 @@ def test_fp8_index_keys_chunking_invariant() -> None:
     assert got[0] == want[0]
 
 
-class EagerGraphs(Dsv4GraphRunner):
-    """The graph runner's buffers, buckets and padding, with 'replay' = an eager forward on the
-    static buffers (CPU has no CUDA graphs)."""
-
-    def capture(self, bs: int, ctx: int) -> None:
-        if (bs, ctx) in self.graphs:
-            return
-        self._pad(0, bs)
-        self.graphs[(bs, ctx)] = None
-
-    def _replay(self, bs: int, ctx: int) -> torch.Tensor:
-        return self._forward(bs, ctx)
-
-
 def test_graph_buffers_padding_and_buckets_equal_plain_steps() -> None:
     ps = prompts([5, 30, 61, 100, 9], seed=3)
     want_t, want_lp = run(make_engine("torch"), ps, n=40)
     eng = make_engine("torch")
-    eng.runner.graphs = EagerGraphs(
-        eng.runner.family, max_bs=8, max_context=eng.runner.max_model_len
-    )
+    use_eager_graphs(eng, max_bs=8)
     got_t, got_lp = run(eng, ps, n=40)
     assert got_t == want_t
     delta = max(
@@ -107,7 +92,7 @@ def test_graph_buffers_padding_and_buckets_equal_plain_steps() -> None:
     # 5 decoding requests -> bucket 8 (fewer while others still prefill); contexts up to 140
     # -> the smallest context bucket
     keys = set(eng.runner.graphs.graphs)
-    assert (8, 512) in keys and {ctx for _, ctx in keys} == {context_bucket(1, 16)} == {512}
+    assert (8, 512, 1) in keys and {ctx for _, ctx, _ in keys} == {context_bucket(1, 16)} == {512}
     eng.check_idle_integrity()
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from eager_graphs import use_eager_graphs
 
 from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from kvrelay.engine.engine import Engine, generate
@@ -195,3 +196,29 @@ def test_mtp_without_weights_or_on_the_reference_path_is_refused() -> None:
         cfg = EngineConfig(model=str(AGENT), device="cpu", dtype="float32", speculative=MTP)
         with pytest.raises(ValueError, match="has no MTP block"):
             Engine(cfg)
+
+
+@pytest.mark.parametrize("algorithm", ["ngram", "mtp"])
+def test_verify_steps_and_the_mtp_pass_through_the_graph_buffers(plain, algorithm: str) -> None:
+    """Verify steps (q tokens per request) and the MTP pass through the decode graphs' static
+    buffers, padding and buckets (run eagerly: CPU has no CUDA graphs; tests/gpu replays them):
+    the plain tokens and logprobs; steps of mixed counts (after a rollback) run eagerly."""
+    spec = _engine(NGRAM if algorithm == "ngram" else MTP)
+    graphs = use_eager_graphs(spec)
+    prompts = _prompts(8)
+    want = generate(plain, prompts, _greedy())
+    if algorithm == "ngram":
+        spec.scheduler.drafter = _planted(
+            {tuple(p): _tokens(w) for p, w in zip(prompts, want, strict=True)}
+        )
+    got = generate(spec, prompts, _greedy())
+    for w, g in zip(want, got, strict=True):
+        assert _tokens(g) == _tokens(w)
+        _close(_logprobs(g), _logprobs(w))
+    stats = spec.drafter.stats
+    assert stats.num_drafts > 10 and stats.num_accepted_tokens < stats.num_draft_tokens
+    qs = {q for _, _, q in graphs.graphs}
+    assert 1 in qs or algorithm == "mtp"  # (mtp drafts from the first decode step on)
+    assert max(qs) == (K + 1 if algorithm == "ngram" else 2)
+    assert {bs for bs, _, _ in graphs.graphs} >= {8}
+    spec.check_idle_integrity()

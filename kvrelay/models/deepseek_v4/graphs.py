@@ -1,6 +1,12 @@
-"""CUDA graphs for DeepSeek-V4 decode: one graph per (batch bucket, context bucket), captured
-on first use. The context bucket fixes how many compressed entries a step may address and the
-page-table width, so a short context does not pay for the longest one.
+"""CUDA graphs for DeepSeek-V4 decode and verify steps: one graph per (batch bucket, rows per
+request q, context bucket), captured on first use. A plain decode step has one token per request
+(q = 1); a speculative verify step up to q = 1 + drafts: request b's tokens fill rows b*q ..
+b*q + n_b - 1 and the rows after them, up to (b+1)*q, belong to a filler sequence of its own (in
+the dummy page 0 and state slot 0, positions from 0), so one graph covers any counts <= q. The
+context bucket fixes how many compressed entries a step may address and the page-table width,
+so a short context does not pay for the longest one. With the MTP drafter (`mtp`), each graph
+also keeps every row's final streams, and a second graph of the same key runs the MTP block over
+them once the step's tokens are committed.
 
 Capture runs on padding only (every row in the dummy page 0 and state slot 0), then the live
 batch is copied into the static buffers and replayed: a warm-up on live rows would apply the
@@ -9,11 +15,14 @@ step twice (the compressors' state update is not idempotent).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from kvrelay.models.base import BUCKETS
-from kvrelay.models.deepseek_v4.batch_meta import BatchMeta, Closers
-from kvrelay.models.deepseek_v4.batched import forward_batched
+from kvrelay.models.deepseek_v4.batch_meta import BatchMeta, Closers, StepIndex
+from kvrelay.models.deepseek_v4.batched import forward_batched, mtp_batched
 from kvrelay.models.deepseek_v4.step import Dsv4Step
 
 MIN_CONTEXT = 512
@@ -27,97 +36,83 @@ def context_bucket(tokens: int, page_size: int) -> int:
     return -(-c // page_size) * page_size
 
 
+def _context(step: Dsv4Step) -> int:
+    """Tokens of the longest sequence after the step."""
+    return max(s + c for s, c in zip(step.starts, step.counts, strict=True))
+
+
+@dataclass
+class Captured:
+    """One key's graphs and their static outputs."""
+
+    graph: torch.cuda.CUDAGraph | None
+    logits: torch.Tensor  # [bs * q, V] every row's
+    streams: torch.Tensor | None = None  # [bs * q, hc, hidden] (mtp)
+    meta: BatchMeta | None = None  # (mtp: the MTP pass reads the step's)
+    index: StepIndex | None = None
+    mtp_graph: torch.cuda.CUDAGraph | None = None
+    mtp_logits: torch.Tensor | None = None  # [bs, V]: each request's draft row
+
+
 class Dsv4GraphRunner:
-    def __init__(self, runner, max_bs: int, max_context: int) -> None:
+    def __init__(self, runner, max_bs: int, max_context: int, max_q: int = 1) -> None:
         # runner: the family's side of the runner contract (runnable.DeepseekV4Runnable)
         self.runner = runner
+        self.mtp = runner.mtp
         self.buckets = [b for b in BUCKETS if b <= max_bs]
         self.max_bs = self.buckets[-1]
+        self.max_q = max_q
         self.max_context = context_bucket(max_context, runner.page_size)
         self.min_context = min(context_bucket(1, runner.page_size), self.max_context)
-        n, dev = self.max_bs, runner.device
+        rows, seqs, dev = self.max_bs * max_q, 2 * self.max_bs, runner.device
         max_pages = self.max_context // runner.page_size
 
         def buf(*shape: int, dtype=torch.long) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=dev)
 
-        self.input_ids, self.positions = buf(n), buf(n)
-        self.page_table, self.slots = buf(n, max_pages), buf(n)
-        self.chunk_start, self.chunk_end = buf(n), buf(n)
-        self.rows = torch.arange(n, device=dev)
-        self.valid = {r: buf(n, dtype=torch.bool) for r in runner.ratios}
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.input_ids, self.next_ids = buf(rows), buf(rows)
+        self.positions, self.seq = buf(rows), buf(rows)
+        self.page_table, self.slots = buf(seqs, max_pages), buf(seqs)
+        self.chunk_start, self.chunk_end, self.tok_base = buf(seqs), buf(seqs), buf(seqs)
+        self.draft_rows = buf(self.max_bs)  # the row each request's MTP draft is read from
+        self.rows = torch.arange(rows, device=dev)
+        self.valid = {r: buf(rows, dtype=torch.bool) for r in runner.ratios}
+        self.last = {r: buf(rows, dtype=torch.bool) for r in runner.ratios}
+        self.graphs: dict[tuple[int, int, int], Captured] = {}
         self.pool = None
 
     def fits(self, context: int, batch_size: int) -> bool:
         return batch_size <= self.max_bs and context <= self.max_context
 
     def can_run(self, step: Dsv4Step, profile) -> bool:
-        """A decode step (one sampled token per request) that a captured graph covers; profiled
-        steps run eagerly so their components can be timed."""
+        """A decode or verify step (at most max_q new tokens per request, every wanted row
+        sampled) that a captured graph covers; profiled steps run eagerly so their components
+        can be timed."""
         return (
             profile is None
             and not step.all_rows
-            and all(c == 1 for c in step.counts)
-            and step.n_sampled == len(step.counts) == len(step.rows)
-            and self.fits(max(step.starts) + 1, len(step.counts))
+            and 1 <= min(step.counts, default=0)
+            and max(step.counts) <= self.max_q
+            and step.n_sampled == len(step.rows)
+            and self.fits(_context(step), len(step.counts))
         )
 
     def run(self, step: Dsv4Step, profile=None) -> torch.Tensor:
-        """Float32 logits of the step's decode tokens, from the graph of its buckets."""
-        return self.run_lists(step.ids, step.starts, step.pages, step.slots).float()
-
-    def _meta(self, bs: int, ctx: int) -> BatchMeta:
-        ps = self.runner.page_size
-        closers = {
-            r: Closers(self.rows[:bs], v[:bs], v[:bs]) for r, v in self.valid.items()
-        }  # one token per row: a valid closer is its sequence's last
-        return BatchMeta(
-            positions=self.positions[:bs],
-            seq=self.rows[:bs],
-            page_table=self.page_table[:bs, : ctx // ps],
-            slots=self.slots[:bs],
-            chunk_start=self.chunk_start[:bs],
-            chunk_end=self.chunk_end[:bs],
-            tok_base=self.rows[:bs],
-            closers=closers,
-            max_entries={r: ctx // r for r in self.valid},
-            page_size=ps,
-        )
-
-    def _forward(self, bs: int, ctx: int) -> torch.Tensor:
-        r = self.runner
-        return forward_batched(
-            r.model, self.input_ids[:bs], self._meta(bs, ctx), r.cache, self.rows[:bs],
-            r.ops, r.kernels,
-        )  # fmt: skip
-
-    def _pad(self, lo: int, hi: int) -> None:
-        """Rows lo..hi-1 become padding: token 0 at position 0 in page 0, state slot 0."""
-        for t in (self.input_ids, self.positions, self.slots, self.chunk_start):
-            t[lo:hi].zero_()
-        self.chunk_end[lo:hi].fill_(1)
-        self.page_table[lo:hi].zero_()
-        for v in self.valid.values():
-            v[lo:hi].zero_()
-
-    def capture(self, bs: int, ctx: int) -> None:
-        """The graph of (batch bucket, context bucket), unless it is there already."""
-        if (bs, ctx) in self.graphs:
-            return
-        self._pad(0, bs)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._forward(bs, ctx)  # warm-up: Triton compiles, cuBLAS picks kernels
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: a CUDA call on another thread (a PD transfer opening an IPC handle, a
-        # leftover engine) must not invalidate this capture; this thread's calls are still checked.
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = self._forward(bs, ctx)
-        self.pool = graph.pool()
-        self.graphs[(bs, ctx)] = (graph, out)
+        """Float32 logits of the step's sampled rows, from the graph of its buckets."""
+        b, q = len(step.counts), max(step.counts)
+        bs = next(x for x in self.buckets if x >= b)
+        ctx = context_bucket(_context(step), self.runner.page_size)
+        self.capture(bs, ctx, q)
+        live = self._load(step, bs, q, ctx)
+        got = self._replay(bs, ctx, q)
+        if self.mtp:
+            self.runner.drafts_from(
+                step, lambda ids, rows: self._draft(bs, ctx, q, live, ids, rows)
+            )
+        if q == 1:  # one row per request, all sampled, in order
+            return got.logits[:b].float()
+        rows = torch.from_numpy(live[step.rows]).to(got.logits.device, non_blocking=True)
+        return got.logits[rows].float()
 
     def run_lists(
         self,
@@ -127,32 +122,141 @@ class Dsv4GraphRunner:
         slots: list[int],
     ) -> torch.Tensor:
         """One decode token per sequence (token input_ids[b] at position starts[b]) -> logits."""
-        b = len(input_ids)
-        bs = next(x for x in self.buckets if x >= b)
-        ctx = context_bucket(max(starts) + 1, self.runner.page_size)
-        self.capture(bs, ctx)
-        self._load(input_ids, starts, pages, slots, ctx)
-        self._pad(b, bs)
-        return self._replay(bs, ctx)[:b]
+        n = len(input_ids)
+        step = Dsv4Step(input_ids, starts, [1] * n, pages, slots, list(range(n)), n)
+        return self.run(step)
 
-    def _replay(self, bs: int, ctx: int) -> torch.Tensor:
-        graph, out = self.graphs[(bs, ctx)]
-        graph.replay()
-        return out
+    @staticmethod
+    def _num_seqs(bs: int, q: int) -> int:
+        return bs if q == 1 else 2 * bs  # (q > 1: each request's filler sequence)
 
-    def _load(self, input_ids, starts, pages, slots, ctx: int) -> None:
-        """The live batch into rows 0..b-1 of the static buffers."""
-        b, dev = len(input_ids), self.runner.device
+    def _meta(self, bs: int, ctx: int, q: int) -> BatchMeta:
+        ps, t, n = self.runner.page_size, bs * q, self._num_seqs(bs, q)
+        closers = {
+            r: Closers(self.rows[:t], v[:t], self.last[r][:t]) for r, v in self.valid.items()
+        }
+        return BatchMeta(
+            positions=self.positions[:t],
+            seq=self.seq[:t],
+            page_table=self.page_table[:n, : ctx // ps],
+            slots=self.slots[:n],
+            chunk_start=self.chunk_start[:n],
+            chunk_end=self.chunk_end[:n],
+            tok_base=self.tok_base[:n],
+            closers=closers,
+            max_entries={r: ctx // r for r in self.valid},
+            page_size=ps,
+        )
+
+    def _forward(self, bs: int, ctx: int, q: int) -> Captured:
+        r, t = self.runner, bs * q
+        meta = self._meta(bs, ctx, q)
+        index = StepIndex(meta, r.model_cfg.sliding_window)
+        streams = [] if self.mtp else None
+        logits = forward_batched(
+            r.model, self.input_ids[:t], meta, r.cache, self.rows[:t], r.ops, r.kernels,
+            streams_out=streams, index=index,
+        )  # fmt: skip
+        if not self.mtp:
+            return Captured(None, logits)
+        return Captured(None, logits, streams[0], meta, index)
+
+    def _mtp_forward(self, bs: int, q: int, got: Captured) -> torch.Tensor:
+        r, t = self.runner, bs * q
+        return mtp_batched(
+            r.model, got.streams, self.next_ids[:t], got.meta, got.index, r.cache,
+            self.draft_rows[:bs], r.ops, r.kernels,
+        )  # fmt: skip
+
+    def capture(self, bs: int, ctx: int, q: int = 1) -> None:
+        """The graph(s) of (batch bucket, context bucket, rows per request), unless there."""
+        if (bs, ctx, q) in self.graphs:
+            return
+        self._load(Dsv4Step([], [], [], [], [], [], 0), bs, q, ctx)  # padding only
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks kernels
+            warm = self._forward(bs, ctx, q)
+            if self.mtp:
+                self._mtp_forward(bs, q, warm)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a CUDA call on another thread (a PD transfer opening an IPC handle, a
+        # leftover engine) must not invalidate this capture; this thread's calls are still checked.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            got = self._forward(bs, ctx, q)
+        self.pool = graph.pool()
+        got.graph = graph
+        if self.mtp:  # in the same pool: it reads the forward graph's streams and index
+            got.mtp_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(got.mtp_graph, pool=self.pool, capture_error_mode="thread_local"):
+                got.mtp_logits = self._mtp_forward(bs, q, got)
+        self.graphs[(bs, ctx, q)] = got
+
+    def _replay(self, bs: int, ctx: int, q: int) -> Captured:
+        got = self.graphs[(bs, ctx, q)]
+        got.graph.replay()
+        return got
+
+    def _replay_mtp(self, bs: int, ctx: int, q: int) -> torch.Tensor:
+        got = self.graphs[(bs, ctx, q)]
+        got.mtp_graph.replay()
+        return got.mtp_logits
+
+    def _draft(
+        self, bs: int, ctx: int, q: int, live: np.ndarray, next_ids: list[int], rows: list[int]
+    ) -> torch.Tensor:
+        """The MTP logits of `rows` (live rows, one per request at most), live row t reading
+        token next_ids[t], from the MTP graph of the step's key (`live`: its rows' graph rows)."""
+        nxt = np.zeros(bs * q, dtype=np.int64)
+        nxt[live] = next_ids
+        at = np.zeros(bs, dtype=np.int64)
+        at[: len(rows)] = live[rows]
+        self._copy({self.next_ids: nxt, self.draft_rows: at})
+        return self._replay_mtp(bs, ctx, q)[: len(rows)]
+
+    def _copy(self, values: dict[torch.Tensor, np.ndarray]) -> None:
+        """Host arrays into the front of static buffers."""
+        for buf, a in values.items():
+            buf[: a.shape[0]].copy_(torch.from_numpy(a), non_blocking=False)
+
+    def _load(self, step: Dsv4Step, bs: int, q: int, ctx: int) -> np.ndarray:
+        """The step into the static buffers of (bs, q, ctx): request b's tokens in rows b*q ..,
+        then its filler rows; requests past the step's are padding (q tokens each). Returns the
+        graph row of each of the step's rows."""
+        b, n = len(step.counts), self._num_seqs(bs, q)
+        counts = np.full(bs, q, dtype=np.int64)
+        counts[:b] = step.counts
+        starts = np.zeros(bs, dtype=np.int64)
+        starts[:b] = step.starts
+        req = np.repeat(np.arange(bs), q)
+        j = np.tile(np.arange(q), bs)
+        own = j < counts[req]  # the request's own rows; the others its filler sequence's
+        pos = np.where(own, starts[req] + j, j - counts[req])
+        live = np.flatnonzero(own & (req < b))
+        ids = np.zeros(bs * q, dtype=np.int64)
+        ids[live] = step.ids
+        first = np.arange(bs) * q
+        seq_start = np.zeros(n, dtype=np.int64)
+        seq_start[:bs] = starts
+        seq_end = np.concatenate((starts + counts, q - counts))[:n]
+        tok_base = np.concatenate((first, first + counts))[:n]
+        seq = np.where(own, req, bs + req)
+        slots = np.zeros(n, dtype=np.int64)
+        slots[:b] = step.slots
         width = ctx // self.runner.page_size
-        table = torch.zeros((b, width), dtype=torch.long)
-        for i, p in enumerate(pages):
-            table[i, : len(p)] = torch.tensor(p[:width], dtype=torch.long)
-        st = torch.tensor(starts, dtype=torch.long)
-        self.input_ids[:b].copy_(torch.tensor(input_ids, dtype=torch.long).to(dev))
-        self.positions[:b].copy_(st.to(dev))
-        self.chunk_start[:b].copy_(self.positions[:b])
-        torch.add(self.positions[:b], 1, out=self.chunk_end[:b])
-        self.slots[:b].copy_(torch.tensor(slots, dtype=torch.long).to(dev))
-        self.page_table[:b, :width].copy_(table.to(dev))
-        for r, v in self.valid.items():
-            v[:b].copy_(((st + 1) % r == 0).to(dev))
+        table = np.zeros((n, width), dtype=np.int64)
+        for i, p in enumerate(step.pages):
+            table[i, : min(len(p), width)] = p[:width]
+        values = {
+            self.input_ids: ids, self.positions: pos, self.seq: seq, self.slots: slots,
+            self.chunk_start: seq_start, self.chunk_end: seq_end, self.tok_base: tok_base,
+        }  # fmt: skip
+        for r in self.valid:
+            closing = own & (req < b) & ((pos + 1) % r == 0)
+            values[self.valid[r]] = closing
+            # each sequence's last closer: no later closing row of the same sequence
+            values[self.last[r]] = closing & (seq_end[seq] // r * r == pos + 1)
+        self._copy(values)
+        self.page_table[:n, :width].copy_(torch.from_numpy(table))
+        return live

@@ -58,7 +58,8 @@ class DeepseekV4Runnable:
         # --speculative-algorithm mtp: the MTP block runs over every step's rows (its window
         # rows in the pool) once the step's tokens are committed, and drafts the next token
         self.mtp = cfg.speculative.algorithm == "mtp"
-        self._mtp_inputs = None  # (every row's final streams, meta, index, step): last forward
+        # the last step's MTP pass: (its step, a function of (next_ids, draft rows) -> logits)
+        self._drafts: tuple[Dsv4Step, object] | None = None
 
     @staticmethod
     def check(cfg: EngineConfig, model_cfg: DeepseekV4Config, device: torch.device) -> None:
@@ -131,17 +132,36 @@ class DeepseekV4Runnable:
                 head=False, streams_out=streams, index=index,
             )  # fmt: skip
             if self.mtp:
-                self._mtp_inputs = (streams[0], meta, index, step)
+                self.drafts_from(step, self._eager_drafts(streams[0], meta, index))
         logits = self.model.compute_logits(hidden[: step.n_sampled]).float()
         return logits, hidden[step.n_sampled :]
 
+    def _eager_drafts(self, streams: torch.Tensor, meta, index: StepIndex):
+        def draft(next_ids: list[int], rows: list[int]) -> torch.Tensor:
+            dev = self.device
+            ids_t = torch.tensor(next_ids, dtype=torch.long).to(dev, non_blocking=True)
+            rows_t = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
+            return mtp_batched(
+                self.model, streams, ids_t, meta, index, self.pool, rows_t, self.ops, self.kernels
+            )
+
+        return draft
+
+    def drafts_from(self, step: Dsv4Step, draft) -> None:
+        """mtp: `draft(next_ids, rows)` runs the MTP block over `step`'s rows (eagerly, or the
+        graph of the step's key) once its tokens are committed (`propose_drafts`)."""
+        self._drafts = (step, draft)
+
     def make_graphs(self, max_batch: int, max_model_len: int):
-        """Decode graphs per (batch, context) bucket, captured on first use (Triton path only)."""
-        if self.kernels is None or self.mtp:  # (mtp: steps read every row's streams: eager)
+        """Decode and verify graphs per (batch, tokens per request, context) bucket, captured
+        on first use (Triton path only); with mtp, each with its MTP pass."""
+        if self.kernels is None:
             return None
         from kvrelay.models.deepseek_v4.graphs import Dsv4GraphRunner
 
-        return Dsv4GraphRunner(self, max_batch, max_model_len)
+        spec = self.cfg.speculative
+        max_q = 1 if spec.algorithm == "none" else 1 + spec.num_draft_tokens
+        return Dsv4GraphRunner(self, max_batch, max_model_len, max_q)
 
     def before_step(self, batch: list[Scheduled]) -> None:
         """A request's first step after a prefix cache hit: its state slot never saw the shared
@@ -171,10 +191,10 @@ class DeepseekV4Runnable:
         prompt's next token). Each request in `wants` gets the draft of its last committed row
         (req.mtp_draft, for when it has as many tokens as now). Rows past a request's committed
         ones (rejected drafts) write window rows that later steps overwrite."""
-        if self._mtp_inputs is None:
+        if self._drafts is None:
             return
-        streams, meta, index, step = self._mtp_inputs
-        self._mtp_inputs = None
+        step, draft = self._drafts
+        self._drafts = None
         nxt = step.ids[1:] + [0]
         rows, owners, first = [], [], 0
         for s, start, count in zip(batch, step.starts, step.counts, strict=True):
@@ -189,12 +209,7 @@ class DeepseekV4Runnable:
                 after = req.token_slice(start + count, start + count + 1)
                 nxt[first + count - 1] = after[0] if after else 0
             first += count
-        dev = self.device
-        next_ids = torch.tensor(nxt, dtype=torch.long).to(dev, non_blocking=True)
-        rows_t = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
-        logits = mtp_batched(
-            self.model, streams, next_ids, meta, index, self.pool, rows_t, self.ops, self.kernels
-        )
+        logits = draft(nxt, rows)
         for req, d in zip(owners, logits.argmax(dim=-1).tolist(), strict=True):
             req.mtp_draft, req.mtp_draft_at = [d], req.num_tokens
 

@@ -7,7 +7,7 @@ steps on padding only run first: every sequence in the dummy page 0 and state sl
 request is ever handed, so no live state is touched. Shapes: one sequence (dynamo compiles it
 static), then other token and sequence counts (it recompiles them dynamic, which later steps of
 any size reuse), and a single token (sizes 0 and 1 are always specialised); then the decode
-graphs of the two smallest batch buckets.
+graphs of the two smallest batch buckets (and their verify graphs with every draft, speculating).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def warm_up(model, graphs) -> None:
         model.forward(padding_step(counts, model.page_size), None)
     if graphs is not None:
         for bs in graphs.buckets[:2]:
-            graphs.capture(bs, graphs.min_context)
+            for q in sorted({1, graphs.max_q}):  # decode steps, and verify steps with every draft
+                graphs.capture(bs, graphs.min_context, q)
     torch.cuda.synchronize()
     log.info("warm-up compiled steps=%d in %.1fs", len(shapes), time.monotonic() - t0)
