@@ -109,7 +109,7 @@ class Dsv4GraphRunner:
             self.runner.drafts_from(
                 step, lambda ids, rows: self._draft(bs, ctx, q, live, ids, rows)
             )
-        if q == 1:  # one row per request, all sampled, in order
+        if q == 1 and len(step.rows) == b:  # one row per request, all sampled, in order
             return got.logits[:b].float()
         rows = torch.from_numpy(live[step.rows]).to(got.logits.device, non_blocking=True)
         return got.logits[rows].float()
