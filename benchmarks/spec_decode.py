@@ -5,9 +5,12 @@ with dummy weights its drafts are random: the number is the overhead bound.)
 
 Prompts repeat spans (a tool result quoted back, as agentic traffic does). With dummy weights
 the acceptance says nothing about real traffic (the model copies nothing; a looping output
-accepts nearly every draft): there the number that matters is the cost of a verify step (run
-eagerly on CUDA, while plain decode steps replay their graphs); give real weights (`--model
-PATH --load-format auto`) for acceptance. Checked on CPU (qwen3-tiny, dsv4-tiny).
+accepts nearly every draft): there the number that matters is the cost of a verify step (on
+CUDA, DeepSeek-V4's verify steps and MTP pass replay graphs; dense models' run eagerly); give
+real weights (`--model PATH --load-format auto`) for acceptance. `--oracle-drafts` adds a run
+whose drafts are the plain run's own continuation (every draft accepted: what a perfect drafter
+reaches; with mtp the MTP block still runs every step), so a step's cost with and without
+acceptance are both measured. Checked on CPU (qwen3-tiny, dsv4-tiny).
 
     python benchmarks/spec_decode.py [--model smollm2-135m --load-format dummy] [--out PATH]
     python benchmarks/spec_decode.py --model dsv4-mini --algorithm mtp --concurrency 1,8
@@ -41,6 +44,11 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--algorithm", default="ngram", choices=["ngram", "mtp"])
     p.add_argument("--draft-tokens", type=int, default=None, help="default: 4 (ngram), 1 (mtp)")
     p.add_argument("--draft-model-path", default="", help="mtp: the MTP block's safetensors")
+    p.add_argument(
+        "--oracle-drafts",
+        action="store_true",
+        help="also run with the plain output as the drafts (all accepted)",
+    )
     p.add_argument("--out", default=None, help="JSON path (default: print only)")
     return p.parse_args(argv)
 
@@ -66,6 +74,18 @@ def _run(engine: Engine, prompts, params) -> tuple[list[list[int]], float, dict]
     after = engine.drafter.stats.as_dict() if engine.drafter else {}
     counted = {k: after[k] - stats[k] for k in after}
     return [[t for o in r for t in o.token_ids] for r in outs], seconds, counted
+
+
+def _oracle(want: dict[tuple[int, ...], list[int]], k: int):
+    """A drafter proposing the plain run's next tokens of the request's prompt."""
+
+    def propose(req, budget: int) -> list[int]:
+        out, pos = want[tuple(req.prompt_ids)], len(req.output_ids)
+        if not req.output_ids:
+            return []
+        return list(out[pos : pos + min(k, budget - 1, req.remaining_max_tokens - 1)])
+
+    return propose
 
 
 def main(argv=None) -> None:
@@ -95,6 +115,20 @@ def main(argv=None) -> None:
             "exact_requests": sum(w == g for w, g in zip(want, got, strict=True)),
             "requests": c,
         }
+        if a.oracle_drafts:
+            drafter = spec.scheduler.drafter
+            spec.scheduler.drafter = _oracle(
+                {tuple(p): w for p, w in zip(prompts, want, strict=True)}, k
+            )
+            got, t_oracle, counted = _run(spec, prompts, params)
+            spec.scheduler.drafter = drafter
+            drafts, accepted = counted["num_drafts"], counted["num_accepted_tokens"]
+            row.update(
+                oracle_tpot_ms=t_oracle / a.max_tokens * 1e3,
+                oracle_speedup=t_plain / t_oracle,
+                oracle_accepted_length=1 + accepted / drafts if drafts else None,
+                oracle_exact_requests=sum(w == g for w, g in zip(want, got, strict=True)),
+            )
         rows.append(row)
         print(json.dumps(row))
     result = {

@@ -33,9 +33,9 @@ profile)
   timeout -s INT -k 10 90 python3 benchmarks/dsv4_launch_sources.py --batch 1 --top 60 \
     > "$OUT/launch_sources.txt" 2>&1
   head -30 "$OUT/launch_sources.txt"
-  echo "== speculative decoding on dsv4-mini (dummy: the MTP overhead bound; verify steps eager)"
+  echo "== speculative decoding on dsv4-mini (dummy: the MTP overhead bound, and oracle drafts: all accepted)"
   timeout -s INT -k 10 150 python3 benchmarks/spec_decode.py --model dsv4-mini --algorithm mtp \
-    --concurrency 1,8 --max-tokens 64 --out "$OUT/spec_mtp_dsv4_mini.json" 2>&1 | tail -3
+    --concurrency 1,8 --max-tokens 64 --oracle-drafts --out "$OUT/spec_mtp_dsv4_mini.json" 2>&1 | tail -3
   ;;
 compare)
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
