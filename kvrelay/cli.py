@@ -293,8 +293,8 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         help="ngram: each decoding request drafts the tokens that followed the latest earlier "
         "occurrence of its context's last tokens (prompt lookup) and the model verifies them in "
         "one step (greedy output unchanged token for token; sampling keeps its distribution); "
-        "mtp: DeepSeek-V4's multi-token-prediction block drafts one token per step from the "
-        "model's last hidden streams (its weights: the checkpoint's, or "
+        "mtp: DeepSeek-V4's multi-token-prediction block drafts from the model's last hidden "
+        "streams, chained on its own output for K > 1 drafts (its weights: the checkpoint's, or "
         "--speculative-draft-model-path); none: off",
     )
     g.add_argument(
@@ -628,7 +628,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(POLICIES),
         help="which prefill and decode server a request goes to: cache_aware (where the "
         "longest prefix of its prompt was sent before, unless that tilts the load), "
-        "round_robin, least_load (fewest requests in flight)",
+        "round_robin, least_load (the least loaded: requests in flight from this router or "
+        "reported by the server, its queued prompt tokens, a nearly full KV pool)",
     )
     add_http_args(r, rc.max_body_bytes, " (the router sends it to the servers too)")
     add_pd_secret_args(r)

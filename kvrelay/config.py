@@ -80,7 +80,7 @@ class SpeculativeConfig:
     """Speculative decoding (engine/drafter.py): drafts verified by the target in one step."""
 
     algorithm: str = "none"  # none | ngram (prompt lookup) | mtp (DeepSeek-V4's MTP block)
-    num_draft_tokens: int = 4  # drafts per request per step at most (mtp: 1)
+    num_draft_tokens: int = 4  # drafts per request per step at most (mtp: its block chained)
     # n-gram window sizes: the longest suffix of the context (max down to min tokens) that
     # occurred earlier proposes what followed it.
     ngram_min: int = 1

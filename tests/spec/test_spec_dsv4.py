@@ -171,11 +171,11 @@ def test_tensor_parallel_speculation_is_refused() -> None:
 MTP = SpeculativeConfig(algorithm="mtp", num_draft_tokens=1)
 
 
-@pytest.mark.parametrize("concurrency", [1, 8])
-def test_mtp_drafts_give_the_plain_tokens(plain, concurrency: int) -> None:
-    """The MTP block (random here: its drafts are mostly wrong) drafts one token per step from
-    every step's rows; what is verified is the plain output, whatever the drafts."""
-    spec = _engine(MTP)
+@pytest.mark.parametrize("concurrency,k", [(1, 1), (8, 1), (8, 3)])
+def test_mtp_drafts_give_the_plain_tokens(plain, concurrency: int, k: int) -> None:
+    """The MTP block (random here: its drafts are mostly wrong) drafts from every step's rows,
+    chained k times; what is verified is the plain output, whatever the drafts."""
+    spec = _engine(dataclasses.replace(MTP, num_draft_tokens=k))
     prompts = _prompts(concurrency)
     want = generate(plain, prompts, _greedy())
     got = generate(spec, prompts, _greedy())
@@ -183,7 +183,7 @@ def test_mtp_drafts_give_the_plain_tokens(plain, concurrency: int) -> None:
         assert _tokens(g) == _tokens(w)
         _close(_logprobs(g), _logprobs(w))
     stats = spec.drafter.stats
-    assert stats.num_drafts > 10 and stats.num_draft_tokens == stats.num_drafts
+    assert stats.num_drafts > 10 and stats.num_draft_tokens > (k - 1) * stats.num_drafts
     spec.check_idle_integrity()
     spec.flush_prefix_cache()
     assert spec.scheduler.page_pool.num_used == 0
@@ -198,12 +198,15 @@ def test_mtp_without_weights_or_on_the_reference_path_is_refused() -> None:
             Engine(cfg)
 
 
-@pytest.mark.parametrize("algorithm", ["ngram", "mtp"])
-def test_verify_steps_and_the_mtp_pass_through_the_graph_buffers(plain, algorithm: str) -> None:
-    """Verify steps (q tokens per request) and the MTP pass through the decode graphs' static
-    buffers, padding and buckets (run eagerly: CPU has no CUDA graphs; tests/gpu replays them):
-    the plain tokens and logprobs; steps of mixed counts (after a rollback) run eagerly."""
-    spec = _engine(NGRAM if algorithm == "ngram" else MTP)
+@pytest.mark.parametrize("algorithm,k", [("ngram", K), ("mtp", 1), ("mtp", 3)])
+def test_verify_steps_and_the_mtp_pass_through_the_graph_buffers(
+    plain, algorithm: str, k: int
+) -> None:
+    """Verify steps (up to 1 + k rows per request, mixed counts through filler rows) and the
+    MTP pass (chained k times) through the decode graphs' static buffers, padding and buckets
+    (run eagerly: CPU has no CUDA graphs; tests/gpu replays them): the plain tokens and
+    logprobs."""
+    spec = _engine(NGRAM if algorithm == "ngram" else dataclasses.replace(MTP, num_draft_tokens=k))
     graphs = use_eager_graphs(spec)
     prompts = _prompts(8)
     want = generate(plain, prompts, _greedy())
@@ -219,6 +222,6 @@ def test_verify_steps_and_the_mtp_pass_through_the_graph_buffers(plain, algorith
     assert stats.num_drafts > 10 and stats.num_accepted_tokens < stats.num_draft_tokens
     qs = {q for _, _, q in graphs.graphs}
     assert 1 in qs or algorithm == "mtp"  # (mtp drafts from the first decode step on)
-    assert max(qs) == (K + 1 if algorithm == "ngram" else 2)
+    assert max(qs) == k + 1
     assert {bs for bs, _, _ in graphs.graphs} >= {8}
     spec.check_idle_integrity()

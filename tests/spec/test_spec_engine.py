@@ -163,7 +163,11 @@ def test_seeded_sampling_is_reproducible_and_valid(engines, tok):
     "model,spec,match",
     [
         ("qwen3-tiny", dataclasses.replace(NGRAM, algorithm="mtp"), "needs a model with an MTP"),
-        ("dsv4-tiny", dataclasses.replace(NGRAM, algorithm="mtp"), "drafts one token per step"),
+        (
+            "dsv4-tiny",
+            dataclasses.replace(NGRAM, algorithm="mtp", num_draft_tokens=5),
+            "chains its block at most 4 times",
+        ),
         ("qwen3-tiny", dataclasses.replace(NGRAM, num_draft_tokens=0), "at least 1"),
         ("qwen3-tiny", dataclasses.replace(NGRAM, ngram_min=3, ngram_max=2), "window sizes"),
     ],

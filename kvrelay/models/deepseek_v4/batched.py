@@ -80,10 +80,11 @@ def mtp_batched(
     rows: torch.Tensor,
     ops: AttentionOps,
     kernels: LayerKernels | None = None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The MTP block over the step `meta` described: row t reads the main model's final
     streams at t and the embedding of token t+1 (`next_ids`), writes its window row (the pool's
-    MTP rows, after the layers'), and the logits [len(rows), V] of `rows` predict token t+2.
+    MTP rows, after the layers'), and the logits [len(rows), V] of `rows` predict token t+2;
+    with them the block's output streams of `rows` (what a chained draft reads next).
     `index`: the step's (the main forward's) index tensors, computed once for both."""
     m = model.model
     mtp, layer = m.mtp[0], len(m.layers)
@@ -94,5 +95,59 @@ def mtp_batched(
         def attend(xn: torch.Tensor) -> torch.Tensor:
             return pooled_attention(mtp.self_attn, xn, layer, meta, index, pool, ops)
 
-        x = mtp.run(x, next_ids, attend, None, kernels)
-        return model.compute_logits(mtp.norm(mtp.hc_head(x[rows])))
+        x = mtp.run(x, next_ids, attend, None, kernels)[rows]
+        return model.compute_logits(mtp.norm(mtp.hc_head(x))), x
+
+
+@torch.no_grad()
+def mtp_drafts(
+    model: DeepseekV4ForCausalLM,
+    streams: torch.Tensor,
+    next_ids: torch.Tensor,
+    meta: BatchMeta,
+    index: StepIndex,
+    pool,
+    rows: torch.Tensor,
+    valid: torch.Tensor,
+    ops: AttentionOps,
+    kernels: LayerKernels | None,
+    k: int,
+) -> torch.Tensor:
+    """[len(rows), k] greedy drafts: the MTP block over the step's rows (`mtp_batched`), then
+    k - 1 times again over one row per draft, chained: the row after the last one reads the
+    block's own output streams and the draft just made, at the next position (DeepSeek-V3's
+    and SGLang's way of drafting several tokens with one MTP block). Chained rows write the
+    window rows of positions past the committed ones, which later steps overwrite; rows whose
+    `valid` is False (graph padding) and positions past a request's pages write to the dummy
+    page 0. No host sync: the whole chain can be captured in a CUDA graph."""
+    logits, x = mtp_batched(model, streams, next_ids, meta, index, pool, rows, ops, kernels)
+    drafts = [logits.argmax(dim=-1)]
+    if k == 1 or rows.shape[0] == 0:
+        return drafts[0][:, None].expand(-1, k)
+    m = model.model
+    mtp, layer = m.mtp[0], len(m.layers)
+    ps, n = meta.page_size, rows.shape[0]
+    seq = meta.seq[rows]
+    extra = -(-(k - 1) // ps) + 1  # page-table columns the chained positions may reach
+    table = torch.where(valid[:, None], meta.page_table[seq], 0)
+    table = torch.cat((table, table.new_zeros(n, extra)), dim=1)
+    first = meta.positions[rows]
+    own = torch.arange(n, device=rows.device)
+    with fused_glue(kernels is not None):
+        for j in range(1, k):
+            step = BatchMeta(
+                positions=first + j, seq=own, page_table=table, slots=own * 0,
+                chunk_start=first + j, chunk_end=first + j + 1, tok_base=own, closers={},
+                max_entries={}, page_size=ps,
+            )  # fmt: skip
+            step_index = StepIndex(step, m.config.sliding_window)
+            ids = drafts[-1]
+            e = mtp.e_proj(mtp.enorm(m.embed_tokens(ids)))
+            x = e[:, None, :] + mtp.h_proj(mtp.hnorm(x))
+
+            def attend(xn: torch.Tensor, step=step, step_index=step_index) -> torch.Tensor:
+                return pooled_attention(mtp.self_attn, xn, layer, step, step_index, pool, ops)
+
+            x = mtp.run(x, ids, attend, None, kernels)
+            drafts.append(model.compute_logits(mtp.norm(mtp.hc_head(x))).argmax(dim=-1))
+    return torch.stack(drafts, dim=1)

@@ -22,7 +22,7 @@ import torch
 
 from kvrelay.models.base import BUCKETS
 from kvrelay.models.deepseek_v4.batch_meta import BatchMeta, Closers, StepIndex
-from kvrelay.models.deepseek_v4.batched import forward_batched, mtp_batched
+from kvrelay.models.deepseek_v4.batched import forward_batched, mtp_drafts
 from kvrelay.models.deepseek_v4.step import Dsv4Step
 
 MIN_CONTEXT = 512
@@ -51,7 +51,7 @@ class Captured:
     meta: BatchMeta | None = None  # (mtp: the MTP pass reads the step's)
     index: StepIndex | None = None
     mtp_graph: torch.cuda.CUDAGraph | None = None
-    mtp_logits: torch.Tensor | None = None  # [bs, V]: each request's draft row
+    drafts: torch.Tensor | None = None  # [bs, k]: each request's MTP drafts
 
 
 class Dsv4GraphRunner:
@@ -75,6 +75,8 @@ class Dsv4GraphRunner:
         self.page_table, self.slots = buf(seqs, max_pages), buf(seqs)
         self.chunk_start, self.chunk_end, self.tok_base = buf(seqs), buf(seqs), buf(seqs)
         self.draft_rows = buf(self.max_bs)  # the row each request's MTP draft is read from
+        self.draft_valid = buf(self.max_bs, dtype=torch.bool)  # False: graph padding
+        self.k = runner.cfg.speculative.num_draft_tokens  # (mtp) drafts per request
         self.rows = torch.arange(rows, device=dev)
         self.valid = {r: buf(rows, dtype=torch.bool) for r in runner.ratios}
         self.last = {r: buf(rows, dtype=torch.bool) for r in runner.ratios}
@@ -163,9 +165,9 @@ class Dsv4GraphRunner:
 
     def _mtp_forward(self, bs: int, q: int, got: Captured) -> torch.Tensor:
         r, t = self.runner, bs * q
-        return mtp_batched(
+        return mtp_drafts(
             r.model, got.streams, self.next_ids[:t], got.meta, got.index, r.cache,
-            self.draft_rows[:bs], r.ops, r.kernels,
+            self.draft_rows[:bs], self.draft_valid[:bs], r.ops, r.kernels, self.k,
         )  # fmt: skip
 
     def capture(self, bs: int, ctx: int, q: int = 1) -> None:
@@ -190,7 +192,7 @@ class Dsv4GraphRunner:
         if self.mtp:  # in the same pool: it reads the forward graph's streams and index
             got.mtp_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(got.mtp_graph, pool=self.pool, capture_error_mode="thread_local"):
-                got.mtp_logits = self._mtp_forward(bs, q, got)
+                got.drafts = self._mtp_forward(bs, q, got)
         self.graphs[(bs, ctx, q)] = got
 
     def _replay(self, bs: int, ctx: int, q: int) -> Captured:
@@ -201,18 +203,21 @@ class Dsv4GraphRunner:
     def _replay_mtp(self, bs: int, ctx: int, q: int) -> torch.Tensor:
         got = self.graphs[(bs, ctx, q)]
         got.mtp_graph.replay()
-        return got.mtp_logits
+        return got.drafts
 
     def _draft(
         self, bs: int, ctx: int, q: int, live: np.ndarray, next_ids: list[int], rows: list[int]
     ) -> torch.Tensor:
-        """The MTP logits of `rows` (live rows, one per request at most), live row t reading
-        token next_ids[t], from the MTP graph of the step's key (`live`: its rows' graph rows)."""
+        """The MTP drafts [len(rows), k] of `rows` (live rows, one per request at most), live
+        row t reading token next_ids[t], from the MTP graph of the step's key (`live`: its rows'
+        graph rows)."""
         nxt = np.zeros(bs * q, dtype=np.int64)
         nxt[live] = next_ids
         at = np.zeros(bs, dtype=np.int64)
         at[: len(rows)] = live[rows]
-        self._copy({self.next_ids: nxt, self.draft_rows: at})
+        self._copy(
+            {self.next_ids: nxt, self.draft_rows: at, self.draft_valid: np.arange(bs) < len(rows)}
+        )
         return self._replay_mtp(bs, ctx, q)[: len(rows)]
 
     def _copy(self, values: dict[torch.Tensor, np.ndarray]) -> None:

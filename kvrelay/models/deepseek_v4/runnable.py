@@ -13,7 +13,7 @@ from kvrelay.config import EngineConfig
 from kvrelay.layers.parallel import TPGroup
 from kvrelay.models.base import Scheduled
 from kvrelay.models.deepseek_v4.batch_meta import StepIndex, build_meta
-from kvrelay.models.deepseek_v4.batched import forward_batched, mtp_batched
+from kvrelay.models.deepseek_v4.batched import forward_batched, mtp_drafts
 from kvrelay.models.deepseek_v4.cache_pool import DeepseekV4CachePool
 from kvrelay.models.deepseek_v4.cache_spec import dsv4_cache_spec, dsv4_page_size
 from kvrelay.models.deepseek_v4.config import CSA, HCA, DeepseekV4Config
@@ -141,9 +141,11 @@ class DeepseekV4Runnable:
             dev = self.device
             ids_t = torch.tensor(next_ids, dtype=torch.long).to(dev, non_blocking=True)
             rows_t = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
-            return mtp_batched(
-                self.model, streams, ids_t, meta, index, self.pool, rows_t, self.ops, self.kernels
-            )
+            valid = torch.ones(len(rows), dtype=torch.bool, device=dev)
+            return mtp_drafts(
+                self.model, streams, ids_t, meta, index, self.pool, rows_t, valid, self.ops,
+                self.kernels, self.cfg.speculative.num_draft_tokens,
+            )  # fmt: skip
 
         return draft
 
@@ -209,9 +211,9 @@ class DeepseekV4Runnable:
                 after = req.token_slice(start + count, start + count + 1)
                 nxt[first + count - 1] = after[0] if after else 0
             first += count
-        logits = draft(nxt, rows)
-        for req, d in zip(owners, logits.argmax(dim=-1).tolist(), strict=True):
-            req.mtp_draft, req.mtp_draft_at = [d], req.num_tokens
+        drafts = draft(nxt, rows)  # [len(rows), k]
+        for req, d in zip(owners, drafts.tolist(), strict=True):
+            req.mtp_draft, req.mtp_draft_at = d, req.num_tokens
 
     def warm_up(self, graphs) -> None:
         from kvrelay.models.deepseek_v4.warm_up import warm_up
