@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import json
 import platform
 import random
@@ -42,7 +43,9 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,8,64")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--algorithm", default="ngram", choices=["ngram", "mtp"])
-    p.add_argument("--draft-tokens", type=int, default=None, help="default: 4 (ngram), 1 (mtp)")
+    p.add_argument(
+        "--draft-tokens", default=None, help="K, or a list: 1,3 (default: 4 ngram, 1 mtp)"
+    )
     p.add_argument("--draft-model-path", default="", help="mtp: the MTP block's safetensors")
     p.add_argument(
         "--oracle-drafts",
@@ -88,59 +91,75 @@ def _oracle(want: dict[tuple[int, ...], list[int]], k: int):
     return propose
 
 
+def _release() -> None:
+    """After `del engine`: its weights and caches go before the next one is built (dsv4-mini's
+    ~80 GB do not fit twice on one GPU)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def main(argv=None) -> None:
     a = _parse(argv)
     base = EngineConfig(
         model=a.model, load_format=a.load_format, dtype=a.dtype, max_cuda_graph_batch=64,
         cache=CacheConfig(max_total_tokens=64 * 1024),
     )  # fmt: skip
-    k = a.draft_tokens or (1 if a.algorithm == "mtp" else 4)
-    spec_cfg = SpeculativeConfig(a.algorithm, k, draft_model_path=a.draft_model_path)
-    plain = Engine(base)
-    spec = Engine(dataclasses.replace(base, speculative=spec_cfg), plain.src)
+    ks = [int(x) for x in (a.draft_tokens or ("1" if a.algorithm == "mtp" else "4")).split(",")]
+    levels = [int(x) for x in a.concurrency.split(",")]
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
+    plain = Engine(base)
+    src, dtype = plain.src, str(plain.runner.dtype)
+    prompts = {c: _prompts(c, src.config.vocab_size) for c in levels}
+    baseline = {c: _run(plain, prompts[c], params)[:2] for c in levels}  # (tokens, seconds)
+    del plain
+    _release()
     rows = []
-    for c in [int(x) for x in a.concurrency.split(",")]:
-        prompts = _prompts(c, plain.src.config.vocab_size)
-        want, t_plain, _ = _run(plain, prompts, params)
-        got, t_spec, counted = _run(spec, prompts, params)
-        drafts, accepted = counted["num_drafts"], counted["num_accepted_tokens"]
-        row = {
-            "concurrency": c,
-            # ms per output token of one request (all run together to max_tokens)
-            "plain_tpot_ms": t_plain / a.max_tokens * 1e3,
-            "spec_tpot_ms": t_spec / a.max_tokens * 1e3,
-            "speedup": t_plain / t_spec,
-            "mean_accepted_length": 1 + accepted / drafts if drafts else None,
-            "exact_requests": sum(w == g for w, g in zip(want, got, strict=True)),
-            "requests": c,
-        }
-        if a.oracle_drafts:
-            drafter = spec.scheduler.drafter
-            spec.scheduler.drafter = _oracle(
-                {tuple(p): w for p, w in zip(prompts, want, strict=True)}, k
-            )
-            got, t_oracle, counted = _run(spec, prompts, params)
-            spec.scheduler.drafter = drafter
+    for k in ks:
+        spec_cfg = SpeculativeConfig(a.algorithm, k, draft_model_path=a.draft_model_path)
+        spec = Engine(dataclasses.replace(base, speculative=spec_cfg), src)
+        for c in levels:
+            want, t_plain = baseline[c]
+            got, t_spec, counted = _run(spec, prompts[c], params)
             drafts, accepted = counted["num_drafts"], counted["num_accepted_tokens"]
-            row.update(
-                oracle_tpot_ms=t_oracle / a.max_tokens * 1e3,
-                oracle_speedup=t_plain / t_oracle,
-                oracle_accepted_length=1 + accepted / drafts if drafts else None,
-                oracle_exact_requests=sum(w == g for w, g in zip(want, got, strict=True)),
-            )
-        rows.append(row)
-        print(json.dumps(row))
+            row = {
+                "draft_tokens": k,
+                "concurrency": c,
+                # ms per output token of one request (all run together to max_tokens)
+                "plain_tpot_ms": t_plain / a.max_tokens * 1e3,
+                "spec_tpot_ms": t_spec / a.max_tokens * 1e3,
+                "speedup": t_plain / t_spec,
+                "mean_accepted_length": 1 + accepted / drafts if drafts else None,
+                "exact_requests": sum(w == g for w, g in zip(want, got, strict=True)),
+                "requests": c,
+            }
+            if a.oracle_drafts:
+                drafter = spec.scheduler.drafter
+                spec.scheduler.drafter = _oracle(
+                    {tuple(p): w for p, w in zip(prompts[c], want, strict=True)}, k
+                )
+                got, t_oracle, counted = _run(spec, prompts[c], params)
+                spec.scheduler.drafter = drafter
+                drafts, accepted = counted["num_drafts"], counted["num_accepted_tokens"]
+                row.update(
+                    oracle_tpot_ms=t_oracle / a.max_tokens * 1e3,
+                    oracle_speedup=t_plain / t_oracle,
+                    oracle_accepted_length=1 + accepted / drafts if drafts else None,
+                    oracle_exact_requests=sum(w == g for w, g in zip(want, got, strict=True)),
+                )
+            rows.append(row)
+            print(json.dumps(row))
+        del spec
+        _release()
     result = {
         "date": datetime.date.today().isoformat(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.machine(),
         "torch": torch.__version__,
         "model": a.model,
         "load_format": a.load_format,
-        "dtype": str(plain.runner.dtype),
+        "dtype": dtype,
         "max_tokens": a.max_tokens,
         "algorithm": a.algorithm,
-        "draft_tokens": k,
         "rows": rows,
     }
     if a.out:

@@ -34,7 +34,7 @@ profile)
     > "$OUT/launch_sources.txt" 2>&1
   head -30 "$OUT/launch_sources.txt"
   echo "== speculative decoding on dsv4-mini (dummy: the MTP overhead bound, and oracle drafts: all accepted)"
-  timeout -s INT -k 10 150 python3 benchmarks/spec_decode.py --model dsv4-mini --algorithm mtp \
+  timeout -s INT -k 10 200 python3 benchmarks/spec_decode.py --model dsv4-mini --algorithm mtp --draft-tokens 1,3 \
     --concurrency 1,8 --max-tokens 64 --oracle-drafts --out "$OUT/spec_mtp_dsv4_mini.json" 2>&1 | tail -3
   ;;
 compare)

@@ -22,6 +22,7 @@ K = 3
 SPECS = {
     "ngram": SpeculativeConfig(algorithm="ngram", num_draft_tokens=K),
     "mtp": SpeculativeConfig(algorithm="mtp", num_draft_tokens=1),
+    "mtp3": SpeculativeConfig(algorithm="mtp", num_draft_tokens=3),  # the block chained
 }
 
 
@@ -74,7 +75,7 @@ def _run(engine: Engine, prompts, want=None):
     )
 
 
-@pytest.mark.parametrize("algorithm", ["ngram", "mtp"])
+@pytest.mark.parametrize("algorithm", ["ngram", "mtp", "mtp3"])
 def test_speculative_graphs_equal_eager_and_plain(algorithm: str) -> None:
     plain = _engine("none", graphs=True)
     prompts = _prompts(plain.runner.model_cfg.vocab_size)
@@ -85,7 +86,7 @@ def test_speculative_graphs_equal_eager_and_plain(algorithm: str) -> None:
     graphed_engine = _engine(algorithm, graphs=True)
     graphed = _run(graphed_engine, prompts, planted)
     qs = {q for _, _, q in graphed_engine.runner.graphs.graphs}
-    assert max(qs) == (K + 1 if algorithm == "ngram" else 2), qs
+    assert max(qs) == 1 + SPECS[algorithm].num_draft_tokens, qs
     assert graphed[0] == eager[0] == want[0]
     delta = max(
         abs(x - y)
