@@ -225,3 +225,35 @@ def test_verify_steps_and_the_mtp_pass_through_the_graph_buffers(
     assert max(qs) == k + 1
     assert {bs for bs, _, _ in graphs.graphs} >= {8}
     spec.check_idle_integrity()
+
+
+@pytest.mark.parametrize("algorithm,k", [("ngram", K), ("mtp", 3)])
+def test_deterministic_speculation_is_bitwise_plain(algorithm: str, k: int) -> None:
+    """With --deterministic (batch-invariant mode: a row's bits do not depend on the rows beside
+    it) a verify step's rows, and the rows a rollback computes again, are computed as plain
+    decoding computes them: in bf16 with QAT on, the tokens and logprobs of speculative
+    decoding (planted n-gram drafts; the MTP block chained) are bitwise the plain ones."""
+    src = resolve("dsv4-tiny", "dummy")
+
+    def engine(spec: SpeculativeConfig | None) -> Engine:
+        cfg = EngineConfig(
+            model="dsv4-tiny", load_format="dummy", device="cpu", dtype="bfloat16",
+            deterministic=True, cache=CacheConfig(page_size=16, max_total_tokens=8192),
+            scheduler=SchedulerConfig(max_num_batched_tokens=64, kv_reserve_ratio=0.0),
+        )  # fmt: skip
+        return Engine(cfg if spec is None else dataclasses.replace(cfg, speculative=spec), src)
+
+    prompts = _prompts(4)
+    want = generate(engine(None), prompts, _greedy(24))
+    spec_cfg = NGRAM if algorithm == "ngram" else dataclasses.replace(MTP, num_draft_tokens=k)
+    spec = engine(spec_cfg)
+    if algorithm == "ngram":
+        spec.scheduler.drafter = _planted(
+            {tuple(p): _tokens(w) for p, w in zip(prompts, want, strict=True)}
+        )
+    got = generate(spec, prompts, _greedy(24))
+    for w, g in zip(want, got, strict=True):
+        assert _tokens(g) == _tokens(w)
+        assert _logprobs(g) == _logprobs(w)  # bitwise
+    assert spec.drafter.stats.num_drafts > 5
+    spec.check_idle_integrity()
