@@ -8,19 +8,29 @@ hashes (a block's hash covers every block before it, so equal hashes mean equal 
 remembers per server the hashes it sent there (least recently used forgotten past a bound, as
 the server's own cache forgets). A request goes to the server believed to hold the most of its
 prompt when that is at least `cache_threshold` of it (servers within one block of the best tie,
-and the least loaded of them wins), unless that would tilt the load (requests this router has in
-flight): past `balance_abs` more than the least loaded server and `balance_rel` times it, the
-least loaded server wins, as it does when no server holds enough. (SGLang's cache-aware router
-decides the same way, on a radix tree of characters.) A prefix every request shares (the tools'
-system prompt) goes to one server until the load tilts once; from then on both hold it.
-round_robin: the servers in turn. least_load: the fewest requests in flight.
+and the least loaded of them wins), unless that would tilt the load: past `balance_abs` more than
+the least loaded server and `balance_rel` times it, the least loaded server wins, as it does when
+no server holds enough. (SGLang's cache-aware router decides the same way, on a radix tree of
+characters.) A prefix every request shares (the tools' system prompt) goes to one server until
+the load tilts once; from then on both hold it.
+round_robin: the servers in turn. least_load: the least loaded server.
+
+The load (server_load.py) is max(the requests this router has in flight to the server, the
+requests the server last reported running, waiting or open) plus one per 1024 prompt tokens it
+reported queued; a report older than `stale_after_s` is ignored (in flight alone). A server that
+reported its KV pool nearly full is loaded whatever its count: the least loaded server is one
+that is not, when there is one, and a best-cached server that is nearly full is tilted against
+it.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+
+from kvrelay.router.server_load import ReportedLoad, server_load
 
 BLOCK_CHARS = 64  # ~16 tokens of English text: about one page of the servers' caches
 MAX_BLOCKS_PER_SERVER = 1 << 16  # ~4M characters remembered per server
@@ -84,28 +94,39 @@ class RoutingPolicy:
         cache_threshold: float = 0.5,
         balance_abs: int = 8,
         balance_rel: float = 1.5,
+        stale_after_s: float = 5.0,
     ) -> None:
         if name not in POLICIES:
             raise ValueError(f"unknown routing policy {name!r} (one of {', '.join(POLICIES)})")
         self.name, self.cache_threshold = name, cache_threshold
         self.balance_abs, self.balance_rel = balance_abs, balance_rel
+        self.stale_after_s = stale_after_s
         self.inflight: dict[str, int] = {}
         self.memory: dict[str, ServerMemory] = {}
         self._turn: dict[str, int] = {}  # role -> round-robin position
 
-    def choose(self, role: str, urls: Sequence[str], hashes: Sequence[int]) -> tuple[str, int]:
+    def choose(
+        self,
+        role: str,
+        urls: Sequence[str],
+        hashes: Sequence[int],
+        reported: Mapping[str, ReportedLoad] | None = None,
+    ) -> tuple[str, int]:
         """The server of `urls` for a request whose prompt has block `hashes`, and how many of
-        those blocks it is believed to hold."""
+        those blocks it is believed to hold. `reported`: the servers' last load reports (the
+        probe's), stale ones among them ignored."""
         assert urls, "no server to choose from"
         turn = self._turn.get(role, 0)
         self._turn[role] = turn + 1
         if self.name == "round_robin":
             url = urls[turn % len(urls)]
             return url, self._mem(url).matched(hashes)
-        load = {u: self.inflight.get(u, 0) for u in urls}
+        fresh = self.fresh_reports(urls, reported or {})
+        load = {u: server_load(self.inflight.get(u, 0), fresh.get(u)) for u in urls}
+        full = {u: u in fresh and fresh[u].nearly_full for u in urls}
 
         def least_loaded(among: Sequence[str]) -> str:  # ties in turn: idle servers share
-            return min(among, key=lambda u: (load[u], (urls.index(u) - turn) % len(urls)))
+            return min(among, key=lambda u: (full[u], load[u], (urls.index(u) - turn) % len(urls)))
 
         least = least_loaded(urls)
         match = {u: self._mem(u).matched(hashes) for u in urls}
@@ -114,10 +135,23 @@ class RoutingPolicy:
         top = max(match.values())
         best = least_loaded([u for u in urls if match[u] >= top - 1])
         lo, hi = load[least], load[best]
-        tilted = hi - lo > self.balance_abs and hi > lo * self.balance_rel
+        tilted = (full[best] and not full[least]) or (
+            hi - lo > self.balance_abs and hi > lo * self.balance_rel
+        )
         if top == 0 or top < self.cache_threshold * len(hashes) or tilted:
             return least, match[least]
         return best, match[best]
+
+    def fresh_reports(
+        self, urls: Sequence[str], reported: Mapping[str, ReportedLoad]
+    ) -> dict[str, ReportedLoad]:
+        """The reports of `urls` received within the last `stale_after_s`."""
+        now = time.monotonic()
+        return {
+            u: r
+            for u in urls
+            if (r := reported.get(u)) is not None and now - r.at <= self.stale_after_s
+        }
 
     def _mem(self, url: str) -> ServerMemory:
         if url not in self.memory:

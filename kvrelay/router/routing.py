@@ -97,7 +97,7 @@ class Router:
         self.client = self.lanes.clients[0]  # GETs: pair info, models
         self.probe = ServerProbe(cfg.prefill, cfg.decode, cfg.probe_interval_s, headers)
         self.info: dict[str, PeerInfo] = {}
-        self.policy = RoutingPolicy(cfg.policy)
+        self.policy = RoutingPolicy(cfg.policy, stale_after_s=self.probe.stale_after_s)
         self.inflight = 0  # requests admitted and not yet answered (a stream: until it ends)
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
@@ -133,15 +133,17 @@ class Router:
     def pick(
         self, hashes: list[int] | None = None, avoid: set[str] = frozenset()
     ) -> tuple[str, str]:
-        """A prefill and a decode server by the routing policy, among those ready at the last
+        """A prefill and a decode server by the routing policy (balancing by this router's
+        requests in flight and the servers' last load reports), among those ready at the last
         probe (all of them when none was: the attempt then fails with the cause) and not in
         `avoid` (servers an earlier attempt of this request failed on) while others remain."""
         hashes = hashes or []
+        reported = self.probe.loads()
         pair = []
         for role, every in (("prefill", self.cfg.prefill), ("decode", self.cfg.decode)):
             ready = self.probe.ready_urls(role) or list(every)
             fresh = [u for u in ready if u not in avoid] or ready
-            url, matched = self.policy.choose(role, fresh, hashes)
+            url, matched = self.policy.choose(role, fresh, hashes, reported)
             self.prompt_blocks.labels(role=role).inc(len(hashes))
             self.matched_blocks.labels(role=role).inc(matched)
             pair.append(url)

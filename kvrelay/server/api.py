@@ -1,7 +1,7 @@
 """The server's app: its lifespan (engine and tokenizer up, then chat format), the API key and
 body-size limit in front of every route (guard.py), OpenAI-format errors, and the route modules
 registered on one ServerState (state.py):
-- probe_routes: /health, /ready, /health_generate
+- probe_routes: /health, /ready, /load, /health_generate
 - utility_routes: /tokenize, /detokenize, /version, /ping
 - introspection_routes: /pd/info, /server_info, /telemetry/*, /metrics, /v1/models
 - serving_chat, serving_completions, serving_generate: the generating routes (request building

@@ -44,6 +44,7 @@ from kvrelay.engine.messages import (
     StepOutputs,
 )
 from kvrelay.engine.process import engine_main
+from kvrelay.server.load_report import PromptBacklog
 
 log = logging.getLogger("kvrelay.api")
 
@@ -105,6 +106,7 @@ class EngineClient:
         self.death_exit_s = float(env("KVRELAY_ENGINE_DEATH_EXIT_S"))
         self.exit_code = 0
         self._api_events: dict[str, int] = {}  # PD request refusals last shown in the stats
+        self.backlog = PromptBacklog()  # prompt tokens not yet prefilled (GET /load)
 
     @property
     def healthy(self) -> bool:
@@ -196,6 +198,7 @@ class EngineClient:
             if self.on_step is not None:
                 self.on_step(msg)
             for out in msg.outputs:
+                self.backlog.started(out.rid)
                 q = self.queues.get(out.rid)
                 if q is not None:
                     q.put_nowait(out)
@@ -234,6 +237,7 @@ class EngineClient:
             raise EngineDead(self.dead_reason or "engine is not running")
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.queues[rid] = q
+        self.backlog.add(rid, len(prompt_ids))
         await self._to.send(self._enc.encode(AddRequest(rid, prompt_ids, params, pd, group)))
         return q
 

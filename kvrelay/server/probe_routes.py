@@ -1,18 +1,20 @@
 """Probes: `/health` (liveness: the engine runs and its loop turns), `/ready` (readiness: this
-server can serve what its role asks) and `/health_generate` (SGLang's: one token generated)."""
+server can serve what its role asks), `/load` (what the PD router balances by: load_report.py)
+and `/health_generate` (SGLang's: one token generated)."""
 
 from __future__ import annotations
 
 import uuid
 
 from fastapi import FastAPI
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from kvrelay.engine.messages import SamplingParams
 from kvrelay.server import utility_routes
 from kvrelay.server.engine_client import EngineDead
 from kvrelay.server.errors import APIError, unavailable
 from kvrelay.server.generation import Generation
+from kvrelay.server.load_report import load_report
 from kvrelay.server.state import ServerState
 
 
@@ -33,6 +35,14 @@ def register(app: FastAPI, state: ServerState) -> None:
         if reason is not None:
             raise unavailable(reason)
         return PlainTextResponse("ready")
+
+    @app.get("/load")
+    async def load():
+        """Load (running, waiting, requests, queued_prompt_tokens, free_pages, total_pages), from
+        what this process keeps; the API key applies as on the other non-probe routes."""
+        if state.client.ready is None:
+            raise unavailable("engine not ready")
+        return JSONResponse(load_report(state.client))
 
     @app.get("/health_generate", response_class=PlainTextResponse)
     async def health_generate():

@@ -3,9 +3,14 @@ conversations, one after another, through a cache_aware router and a round_robin
 (their conversations are distinct). Under cache_aware every second turn goes to the prefill and
 the decode of its first (its prefix is cached there: cached_tokens at least half its prompt, and
 the prefill servers' hit counters say the same); round robin alternates and sends each second
-turn to the other prefill server, whose cache misses."""
+turn to the other prefill server, whose cache misses. Load reports (`GET /load`) on the same
+servers: a decode server running a request another router sent reports it, a second router's
+probe sees it, and that router's least_load sends its next request to the other decode."""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 import httpx
 import openai
@@ -79,3 +84,71 @@ def test_second_turns_land_where_their_prefix_is_cached(servers):
     finally:
         for r in routers.values():
             r.close()
+
+
+def _wait_for(what: str, probe: Callable[[], object], timeout_s: float = 60.0):
+    """`probe()`'s first truthy value, asked until `timeout_s` (generous: no timing asserted)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if got := probe():
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"not seen within {timeout_s}s: {what}")
+
+
+def _finished(url: str) -> float:
+    return sum(v for k, v in metrics(url).items() if k.startswith("kvrelay_requests_total{"))
+
+
+def test_load_reports_reach_another_routers_policy(servers):
+    """A long request through router A runs on one decode server: that server's /load reports
+    it, router B's probe shows it, and B (least_load, nothing in flight of its own) sends its
+    next request to the other decode server."""
+    p = [servers[f"prefill{i}"].url for i in range(2)]
+    d = [servers[f"decode{i}"].url for i in range(2)]
+    a = RouterProcess(p, d, "--pd-secret", PD_SECRET, "--policy", "round_robin")
+    b = RouterProcess(p, d, "--pd-secret", PD_SECRET, "--policy", "least_load")
+    long_body = {
+        "model": "smollm2",
+        "prompt": "Count the ships in the harbour, one per line: " * 4,
+        "max_tokens": 4000,  # runs until the stream is closed (aborted) below
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    try:
+        with httpx.stream("POST", a.url + "/v1/completions", json=long_body, timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()  # kept: a dropped generator would close the stream
+            next(lines)  # the first token: the request runs on a decode server
+            busy = _wait_for(
+                "a decode server's /load reporting a running request",
+                lambda: [u for u in d if httpx.get(u + "/load").json()["running"] >= 1],
+            )[0]
+            idle = d[1 - d.index(busy)]
+            load = httpx.get(busy + "/load").json()
+            assert load["requests"] >= 1 and load["queued_prompt_tokens"] == 0, load
+            assert 0 < load["free_pages"] < load["total_pages"], load
+            seen = _wait_for(
+                "router B's probe showing the busy decode server's report",
+                lambda: (
+                    (s := httpx.get(b.url + "/ready").json()["servers"][busy]["load"])
+                    and s["running"] >= 1
+                    and s
+                ),
+            )
+            assert seen["total_pages"] == load["total_pages"] and seen["age_s"] >= 0, seen
+            before = {u: _finished(u) for u in d}
+            client = openai.OpenAI(base_url=b.url + "/v1", api_key="x", max_retries=0)
+            client.completions.create(model="smollm2", prompt="Hello", max_tokens=2)
+            _wait_for("B's request counted", lambda: _finished(idle) > before[idle])
+            assert _finished(busy) == before[busy]  # the long one still runs there
+            assert next(lines) is not None  # its stream is still open
+        # The stream closed: the long request is aborted; the servers are idle again.
+        _wait_for(
+            "the decode servers idle",
+            lambda: all(httpx.get(u + "/load").json()["requests"] == 0 for u in d),
+        )
+    finally:
+        a.close()
+        b.close()

@@ -64,6 +64,7 @@ ROUTES = [
     ("GET", "/pd/info"),
     ("GET", "/health_generate"),
     ("GET", "/openapi.json"),
+    ("GET", "/load"),
 ]
 
 
@@ -82,6 +83,13 @@ def test_the_openai_client_with_and_without_the_key(guarded):
         bad.models.list()
     good = openai.OpenAI(base_url=guarded.url + "/v1", api_key=KEY, max_retries=0)
     assert [m.id for m in good.models.list()] == ["smollm2"]
+
+
+def test_load_answers_with_the_key(guarded):
+    """The load report the PD router's probe reads (it sends the key): an idle server's."""
+    load = httpx.get(guarded.url + "/load", headers=AUTH).json()
+    assert load["running"] == load["waiting"] == load["requests"] == 0, load
+    assert load["queued_prompt_tokens"] == 0 and 0 < load["free_pages"] <= load["total_pages"]
 
 
 def test_server_info_never_shows_a_secret(guarded):
