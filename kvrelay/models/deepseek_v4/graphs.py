@@ -23,6 +23,7 @@ import torch
 from kvrelay.models.base import BUCKETS
 from kvrelay.models.deepseek_v4.batch_meta import BatchMeta, Closers, StepIndex
 from kvrelay.models.deepseek_v4.batched import forward_batched, mtp_drafts
+from kvrelay.models.deepseek_v4.staging import Staging
 from kvrelay.models.deepseek_v4.step import Dsv4Step
 
 MIN_CONTEXT = 512
@@ -65,21 +66,17 @@ class Dsv4GraphRunner:
         self.max_context = context_bucket(max_context, runner.page_size)
         self.min_context = min(context_bucket(1, runner.page_size), self.max_context)
         rows, seqs, dev = self.max_bs * max_q, 2 * self.max_bs, runner.device
-        max_pages = self.max_context // runner.page_size
-
-        def buf(*shape: int, dtype=torch.long) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dtype, device=dev)
-
-        self.input_ids, self.next_ids = buf(rows), buf(rows)
-        self.positions, self.seq = buf(rows), buf(rows)
-        self.page_table, self.slots = buf(seqs, max_pages), buf(seqs)
-        self.chunk_start, self.chunk_end, self.tok_base = buf(seqs), buf(seqs), buf(seqs)
-        self.draft_rows = buf(self.max_bs)  # the row each request's MTP draft is read from
-        self.draft_valid = buf(self.max_bs, dtype=torch.bool)  # False: graph padding
+        self.max_pages = self.max_context // runner.page_size
+        ratios = runner.ratios
+        # every input a graph reads, in one staging buffer: the MTP pass's first, then the step's
+        sizes = {"next_ids": rows, "draft_rows": self.max_bs, "draft_valid": self.max_bs}
+        sizes |= {"input_ids": rows, "positions": rows, "seq": rows}
+        sizes |= {f"valid{r}": rows for r in ratios} | {f"last{r}": rows for r in ratios}
+        sizes |= {"slots": seqs, "chunk_start": seqs, "chunk_end": seqs, "tok_base": seqs}
+        sizes["page_table"] = seqs * self.max_pages
+        self.stage = Staging(sizes, dev)
         self.k = runner.cfg.speculative.num_draft_tokens  # (mtp) drafts per request
         self.rows = torch.arange(rows, device=dev)
-        self.valid = {r: buf(rows, dtype=torch.bool) for r in runner.ratios}
-        self.last = {r: buf(rows, dtype=torch.bool) for r in runner.ratios}
         self.graphs: dict[tuple[int, int, int], Captured] = {}
         self.pool = None
 
@@ -133,20 +130,24 @@ class Dsv4GraphRunner:
         return bs if q == 1 else 2 * bs  # (q > 1: each request's filler sequence)
 
     def _meta(self, bs: int, ctx: int, q: int) -> BatchMeta:
+        """The step's metadata as views of the staging buffer (closer flags made bool here:
+        inside the graph)."""
         ps, t, n = self.runner.page_size, bs * q, self._num_seqs(bs, q)
+        st, width = self.stage.device, ctx // ps
         closers = {
-            r: Closers(self.rows[:t], v[:t], self.last[r][:t]) for r, v in self.valid.items()
+            r: Closers(self.rows[:t], st(f"valid{r}", t) != 0, st(f"last{r}", t) != 0)
+            for r in self.runner.ratios
         }
         return BatchMeta(
-            positions=self.positions[:t],
-            seq=self.seq[:t],
-            page_table=self.page_table[:n, : ctx // ps],
-            slots=self.slots[:n],
-            chunk_start=self.chunk_start[:n],
-            chunk_end=self.chunk_end[:n],
-            tok_base=self.tok_base[:n],
+            positions=st("positions", t),
+            seq=st("seq", t),
+            page_table=st("page_table", n * width).view(n, width),
+            slots=st("slots", n),
+            chunk_start=st("chunk_start", n),
+            chunk_end=st("chunk_end", n),
+            tok_base=st("tok_base", n),
             closers=closers,
-            max_entries={r: ctx // r for r in self.valid},
+            max_entries={r: ctx // r for r in self.runner.ratios},
             page_size=ps,
         )
 
@@ -156,7 +157,7 @@ class Dsv4GraphRunner:
         index = StepIndex(meta, r.model_cfg.sliding_window)
         streams = [] if self.mtp else None
         logits = forward_batched(
-            r.model, self.input_ids[:t], meta, r.cache, self.rows[:t], r.ops, r.kernels,
+            r.model, self.stage.device("input_ids", t), meta, r.cache, self.rows[:t], r.ops, r.kernels,
             streams_out=streams, index=index,
         )  # fmt: skip
         if not self.mtp:
@@ -165,9 +166,10 @@ class Dsv4GraphRunner:
 
     def _mtp_forward(self, bs: int, q: int, got: Captured) -> torch.Tensor:
         r, t = self.runner, bs * q
+        st = self.stage.device
         return mtp_drafts(
-            r.model, got.streams, self.next_ids[:t], got.meta, got.index, r.cache,
-            self.draft_rows[:bs], self.draft_valid[:bs], r.ops, r.kernels, self.k,
+            r.model, got.streams, st("next_ids", t), got.meta, got.index, r.cache,
+            st("draft_rows", bs), st("draft_valid", bs) != 0, r.ops, r.kernels, self.k,
         )  # fmt: skip
 
     def capture(self, bs: int, ctx: int, q: int = 1) -> None:
@@ -215,15 +217,12 @@ class Dsv4GraphRunner:
         nxt[live] = next_ids
         at = np.zeros(bs, dtype=np.int64)
         at[: len(rows)] = live[rows]
-        self._copy(
-            {self.next_ids: nxt, self.draft_rows: at, self.draft_valid: np.arange(bs) < len(rows)}
-        )
+        st = self.stage
+        st.put("next_ids", nxt)
+        st.put("draft_rows", at)
+        st.put("draft_valid", np.arange(bs) < len(rows))
+        st.send("next_ids", "draft_valid")
         return self._replay_mtp(bs, ctx, q)[: len(rows)]
-
-    def _copy(self, values: dict[torch.Tensor, np.ndarray]) -> None:
-        """Host arrays into the front of static buffers."""
-        for buf, a in values.items():
-            buf[: a.shape[0]].copy_(torch.from_numpy(a), non_blocking=False)
 
     def _load(self, step: Dsv4Step, bs: int, q: int, ctx: int) -> np.ndarray:
         """The step into the static buffers of (bs, q, ctx): request b's tokens in rows b*q ..,
@@ -253,15 +252,15 @@ class Dsv4GraphRunner:
         table = np.zeros((n, width), dtype=np.int64)
         for i, p in enumerate(step.pages):
             table[i, : min(len(p), width)] = p[:width]
-        values = {
-            self.input_ids: ids, self.positions: pos, self.seq: seq, self.slots: slots,
-            self.chunk_start: seq_start, self.chunk_end: seq_end, self.tok_base: tok_base,
-        }  # fmt: skip
-        for r in self.valid:
+        st = self.stage
+        for name, v in (("input_ids", ids), ("positions", pos), ("seq", seq), ("slots", slots),
+                        ("chunk_start", seq_start), ("chunk_end", seq_end),
+                        ("tok_base", tok_base), ("page_table", table)):  # fmt: skip
+            st.put(name, v)
+        for r in self.runner.ratios:
             closing = own & (req < b) & ((pos + 1) % r == 0)
-            values[self.valid[r]] = closing
+            st.put(f"valid{r}", closing)
             # each sequence's last closer: no later closing row of the same sequence
-            values[self.last[r]] = closing & (seq_end[seq] // r * r == pos + 1)
-        self._copy(values)
-        self.page_table[:n, :width].copy_(torch.from_numpy(table))
+            st.put(f"last{r}", closing & (seq_end[seq] // r * r == pos + 1))
+        st.send("input_ids", "page_table", n * width)
         return live
