@@ -8,6 +8,8 @@
 #   PART=compare llama-1b decode at an older commit (OLD, default 2907d6a) and here, back to
 #                back (is a step change the code or the machine?)                        ~1 min
 #   PART=served  scripts/gpu_served_latency.sh (--max-decode-slowdown off vs on)          ~6 min
+#   PART=pd      dsv4-mini8 (Flash's layer shapes, 8 layers): single vs PD over cuda_ipc
+#                on one GPU, 4096 in / 64 out, concurrency 1 and 16 (issue 21 item 4)   ~7 min
 #   run(command="PART=check bash scripts/gpu_session.sh", carry=[".whl"], timeout_s=600)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -53,5 +55,12 @@ compare)
   ;;
 served)
   bash scripts/gpu_served_latency.sh
+  ;;
+pd)
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+  timeout -s INT -k 15 400 python3 benchmarks/pd_vs_single.py --model dsv4-mini8 \
+    --modes single,pd-ipc --concurrency 1,16 --input-len 4096 --output-len 64 \
+    --prompts-per-level 2 --memory-fraction 0.42 --tokenizer .whl/tokenizer-smollm2 \
+    --verify-prompts 0 --start-timeout 240 --bench-timeout 200 --out "$OUT/pd_dsv4_mini8.json"
   ;;
 esac
