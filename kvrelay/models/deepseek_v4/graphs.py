@@ -156,9 +156,10 @@ class Dsv4GraphRunner:
         meta = self._meta(bs, ctx, q)
         index = StepIndex(meta, r.model_cfg.sliding_window)
         streams = [] if self.mtp else None
+        ids = self.stage.device("input_ids", t)
         logits = forward_batched(
-            r.model, self.stage.device("input_ids", t), meta, r.cache, self.rows[:t], r.ops, r.kernels,
-            streams_out=streams, index=index,
+            r.model, ids, meta, r.cache, self.rows[:t], r.ops, r.kernels, streams_out=streams,
+            index=index,
         )  # fmt: skip
         if not self.mtp:
             return Captured(None, logits)
