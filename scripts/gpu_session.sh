@@ -8,6 +8,9 @@
 #   PART=compare llama-1b decode at an older commit (OLD, default 2907d6a) and here, back to
 #                back (is a step change the code or the machine?)                        ~1 min
 #   PART=served  scripts/gpu_served_latency.sh (--max-decode-slowdown off vs on)          ~6 min
+#   PART=spec    speculative decoding on the agent (real weights, its trained MTP block; carry
+#                it: WITH_AGENT=1 scripts/gpu_wheels.sh) in float32 and bf16, mtp K=1/3 and
+#                ngram, concurrency 1/8/64, then dsv4-mini mtp K=1/3 (oracle drafts)     ~8 min
 #   PART=pd      dsv4-mini8 (Flash's layer shapes, 8 layers): single vs PD over cuda_ipc
 #                on one GPU, 4096 in / 64 out, concurrency 1 and 16 (issue 21 item 4)   ~7 min
 #   run(command="PART=check bash scripts/gpu_session.sh", carry=[".whl"], timeout_s=600)
@@ -55,6 +58,23 @@ compare)
   ;;
 served)
   bash scripts/gpu_served_latency.sh
+  ;;
+spec)
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+  agent=.whl/dsv4-tiny-agent block=tests/data/dsv4-tiny-agent-mtp.safetensors
+  for dt in float32 bfloat16; do
+    echo "== agent $dt: mtp K=1,3 (its trained block), then ngram"
+    timeout -s INT -k 10 120 python3 benchmarks/spec_decode.py --model $agent --load-format auto \
+      --dtype $dt --algorithm mtp --draft-tokens 1,3 --draft-model-path $block \
+      --concurrency 1,8,64 --max-tokens 64 --out "$OUT/spec_agent_mtp_$dt.json" 2>&1 | tail -6
+    timeout -s INT -k 10 60 python3 benchmarks/spec_decode.py --model $agent --load-format auto \
+      --dtype $dt --algorithm ngram --concurrency 1,8,64 --max-tokens 64 \
+      --out "$OUT/spec_agent_ngram_$dt.json" 2>&1 | tail -3
+  done
+  echo "== dsv4-mini mtp K=1,3 (dummy: overhead bound; oracle drafts: all accepted)"
+  timeout -s INT -k 10 200 python3 benchmarks/spec_decode.py --model dsv4-mini --algorithm mtp \
+    --draft-tokens 1,3 --concurrency 1,8 --max-tokens 64 --oracle-drafts \
+    --out "$OUT/spec_mtp_dsv4_mini.json" 2>&1 | tail -4
   ;;
 pd)
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
