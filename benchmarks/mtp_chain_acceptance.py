@@ -12,31 +12,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib.util
 import json
 import platform
 from pathlib import Path
 
 import torch
+from agent_prompts import AGENT, agent_prompts
 
 from kvrelay.config import CacheConfig, EngineConfig, SpeculativeConfig
 from kvrelay.engine.engine import Engine, generate
 from kvrelay.engine.messages import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
-AGENT = REPO.parent / "shared" / "models" / "dsv4-tiny-agent"
 BLOCK = REPO / "tests" / "data" / "dsv4-tiny-agent-mtp.safetensors"
-
-
-def _prompts(n: int, cut: int) -> list[list[int]]:
-    """The first `cut` tokens of n of the agent's conversations (a held-out seed)."""
-    from transformers import AutoTokenizer
-
-    spec = importlib.util.spec_from_file_location("t", REPO / "scripts" / "train_agent_mtp.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    chats = mod.chats(AutoTokenizer.from_pretrained(str(AGENT)), 4242)
-    return [next(chats)[:cut].tolist() for _ in range(n)]
 
 
 def main(argv=None) -> None:
@@ -51,7 +39,7 @@ def main(argv=None) -> None:
     base = EngineConfig(
         model=str(AGENT), device="cpu", dtype="float32", cache=CacheConfig(max_total_tokens=16384)
     )
-    prompts = _prompts(a.prompts, a.cut)
+    prompts = agent_prompts(a.prompts, a.cut)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)
     plain = Engine(base)
     want = [[t for o in r for t in o.token_ids] for r in generate(plain, prompts, params)]

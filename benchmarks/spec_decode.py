@@ -48,6 +48,11 @@ def _parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--draft-model-path", default="", help="mtp: the MTP block's safetensors")
     p.add_argument(
+        "--agent-prompts",
+        action="store_true",
+        help="prompts from the tiny agent's own conversations (--model: the agent's directory)",
+    )
+    p.add_argument(
         "--oracle-drafts",
         action="store_true",
         help="also run with the plain output as the drafts (all accepted)",
@@ -110,7 +115,12 @@ def main(argv=None) -> None:
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
     plain = Engine(base)
     src, dtype = plain.src, str(plain.runner.dtype)
-    prompts = {c: _prompts(c, src.config.vocab_size) for c in levels}
+    if a.agent_prompts:
+        from agent_prompts import agent_prompts
+
+        prompts = {c: agent_prompts(c, 200, Path(a.model)) for c in levels}
+    else:
+        prompts = {c: _prompts(c, src.config.vocab_size) for c in levels}
     baseline = {c: _run(plain, prompts[c], params)[:2] for c in levels}  # (tokens, seconds)
     del plain
     _release()

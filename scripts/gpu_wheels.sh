@@ -66,7 +66,7 @@ fi
 if [ -n "${WITH_AGENT:-}" ]; then
   AGENT=${AGENT:-../shared/models/dsv4-tiny-agent}
   mkdir -p "$WHL/dsv4-tiny-agent"
-  cp -u "$AGENT"/*.json "$AGENT"/*.safetensors "$AGENT"/*.jinja "$WHL/dsv4-tiny-agent/"
+  cp -u "$AGENT"/*.json "$AGENT"/*.safetensors "$AGENT"/*.jinja "$AGENT"/*.py "$WHL/dsv4-tiny-agent/"
 fi
 
 ls "$WHL"
