@@ -15,7 +15,6 @@ from kvrelay.config import SpeculativeConfig
 from kvrelay.engine.request import Request
 from kvrelay.spec.ngram import NgramIndex
 
-
 # The MTP block is trained to predict one token ahead; chained on its own output, each further
 # draft is accepted less often (DeepSeek-V3 reports ~85-90% for the second token).
 MAX_MTP_DRAFTS = 4
