@@ -12,6 +12,8 @@ from engine_pair import dense_engine as _engine
 from kvrelay.disagg.protocol import Cause
 from kvrelay.engine.engine import Engine, generate
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops: threads only contend
+
 SYSTEM = [(13 * j) % 900 + 30 for j in range(40)]  # shared by every conversation: 2.5 pages
 
 

@@ -12,6 +12,8 @@ from engine_pair import dense_engine, pairs
 from kvrelay.engine.engine import generate
 from kvrelay.engine.messages import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops: threads only contend
+
 llguidance = pytest.importorskip("llguidance")
 PATTERN = r"(cat|dog)( (cat|dog)){2,3}\."
 

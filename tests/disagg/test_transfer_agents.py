@@ -17,6 +17,8 @@ from kvrelay.disagg.protocol import Cause
 from kvrelay.engine.engine import Engine, generate
 from kvrelay.engine.messages import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops: threads only contend
+
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
 
 

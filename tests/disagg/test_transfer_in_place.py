@@ -15,6 +15,8 @@ from kvrelay.disagg.protocol import Cause
 from kvrelay.disagg.transport.in_place import InPlaceIntake, InPlaceLink
 from kvrelay.engine.engine import generate
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops: threads only contend
+
 PROMPTS = [[(7 * i + 3 * j) % 1000 + 10 for j in range(n)] for i, n in enumerate([17, 40, 70])]
 
 

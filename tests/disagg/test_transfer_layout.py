@@ -13,6 +13,8 @@ from kvrelay.disagg.layout import PAGE, SLOT, CacheKind, fingerprint, layout_dif
 from kvrelay.engine.engine import Engine
 from kvrelay.engine.pd_sides import RunnerWorkerSide
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops: threads only contend
+
 
 def engine_layout(engine: Engine) -> tuple[list[CacheKind], list[str]]:
     return cache_layout(RunnerWorkerSide(engine))

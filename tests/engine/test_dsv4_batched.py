@@ -17,6 +17,8 @@ from kvrelay.models.deepseek_v4.batch_meta import build_meta
 from kvrelay.models.deepseek_v4.graphs import context_bucket
 from kvrelay.weights.loader import resolve
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops: threads only contend
+
 VOCAB = resolve("dsv4-tiny", "dummy").config.vocab_size
 
 

@@ -21,6 +21,8 @@ from kvrelay.engine.request import Request
 from kvrelay.engine.scheduler import ScheduledRequest
 from kvrelay.weights.loader import resolve
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops: threads only contend
+
 TOL = 1e-4  # relative to the logits' scale
 VOCAB = resolve("dsv4-tiny", "dummy").config.vocab_size  # widened to the borrowed tokenizer's
 

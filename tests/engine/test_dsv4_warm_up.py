@@ -6,6 +6,7 @@ give bitwise the same tokens and logprobs as without them."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_dsv4_engine import make_engine, prompt
 
@@ -13,6 +14,8 @@ from kvrelay.engine.engine import generate
 from kvrelay.engine.messages import SamplingParams
 from kvrelay.engine.request import Request
 from kvrelay.models.deepseek_v4.warm_up import padding_step, warm_up_shapes
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops: threads only contend
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvrelay.config import CacheConfig, EngineConfig
 from kvrelay.engine.engine import Engine, generate
 from kvrelay.engine.messages import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops: threads only contend
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4], [50, 60, 70, 80, 90]]

@@ -18,6 +18,8 @@ from kvrelay.engine.request import Request
 from kvrelay.engine.scheduler import Scheduler
 from kvrelay.engine.step_budget import PrefillBudget
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops: threads only contend
+
 
 def _measured(r: float = 1.5) -> PrefillBudget:
     b = PrefillBudget(r, min_tokens=16, max_tokens=2048)

@@ -21,6 +21,8 @@ from kvrelay.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from kvrelay.quant.fp8_block import dequantize_fp8_block, quantize_fp8_block, ue8m0_to_float
 from kvrelay.weights.loader import resolve
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops: threads only contend
+
 
 def _random_tiny():
     """dsv4-tiny (QAT off) with random weights and a few token ids."""

@@ -11,6 +11,8 @@ from kvrelay.models.deepseek_v4.experts import Fp4Experts, Mxfp4Experts, Quantiz
 from kvrelay.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from kvrelay.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops: threads only contend
+
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_fp4_model_equals_dense_model_on_dequantized_weights(fmt: str) -> None:

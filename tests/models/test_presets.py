@@ -14,6 +14,8 @@ from kvrelay.models.llama.model import LlamaForCausalLM
 from kvrelay.models.presets import PRESETS
 from kvrelay.models.registry import model_class
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops: threads only contend
+
 
 @functools.cache
 def _meta_model(name: str) -> LlamaForCausalLM:

@@ -11,6 +11,8 @@ from kvrelay.models.deepseek_v4.moe import clamped_swiglu
 from kvrelay.quant import dequantize_mxfp4, quantize_mxfp4
 from kvrelay.weights.dsv4_shard import shard, shard_rule, unshard
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops: threads only contend
+
 CFG = preset("dsv4-tiny").with_(hidden_size=256, q_lora_rank=128, moe_intermediate_size=64)
 
 
