@@ -10,6 +10,7 @@ from kvrelay.bench.cli import add_bench_parser
 from kvrelay.bench.repro import add_repro_parser
 from kvrelay.config import (
     INDEX_K_DTYPES,
+    MTP_DEFAULT_DRAFTS,
     SPECULATIVE_ALGORITHMS,
     CacheConfig,
     DisaggConfig,
@@ -300,9 +301,10 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--speculative-num-draft-tokens",
         type=int,
-        default=sp.num_draft_tokens,
+        default=None,
         metavar="K",
-        help="drafted tokens per request per step at most (they count against the step budget)",
+        help="drafted tokens per request per step at most (they count against the step budget; "
+        f"default {sp.num_draft_tokens} for ngram, {MTP_DEFAULT_DRAFTS} for mtp)",
     )
     g.add_argument(
         "--speculative-ngram-min",
@@ -438,7 +440,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         ),
         speculative=SpeculativeConfig(
             algorithm=a.speculative_algorithm,
-            num_draft_tokens=a.speculative_num_draft_tokens,
+            num_draft_tokens=_draft_tokens(a),
             ngram_min=a.speculative_ngram_min,
             ngram_max=a.speculative_ngram_max,
             draft_model_path=a.speculative_draft_model_path,
@@ -525,6 +527,15 @@ def cmd_router(a: argparse.Namespace) -> int:
 
     uvicorn.Server(_uvicorn_config(create_router_app(cfg, on_ready=ready), a)).run()
     return 0
+
+
+def _draft_tokens(a: argparse.Namespace) -> int:
+    """--speculative-num-draft-tokens, or when not given the algorithm's own default."""
+    if a.speculative_num_draft_tokens is not None:
+        return a.speculative_num_draft_tokens
+    if a.speculative_algorithm == "mtp":
+        return MTP_DEFAULT_DRAFTS
+    return SpeculativeConfig().num_draft_tokens
 
 
 def _uvicorn_config(app, a: argparse.Namespace):

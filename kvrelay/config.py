@@ -73,6 +73,9 @@ class SchedulerConfig:
 
 
 SPECULATIVE_ALGORITHMS = ("none", "ngram", "mtp")  # mtp: DeepSeek-V4's own MTP block
+# The CLI's K for mtp when none is given: the chained block's third draft is still accepted
+# ~2/3 of the time on the agent, its fourth ~1/4 (benchmarks/mtp_chain_acceptance.py)
+MTP_DEFAULT_DRAFTS = 3
 
 
 @dataclass(frozen=True)

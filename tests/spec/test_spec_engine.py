@@ -175,3 +175,17 @@ def test_seeded_sampling_is_reproducible_and_valid(engines, tok):
 def test_what_speculation_cannot_run_is_refused_at_start(model, spec, match):
     with pytest.raises(ValueError, match=match):
         Engine(EngineConfig(model=model, load_format="dummy", speculative=spec))
+
+
+def test_the_cli_default_k_follows_the_algorithm():
+    from kvrelay.cli import build_parser, engine_config
+
+    def k(*args: str) -> int:
+        return engine_config(
+            build_parser().parse_args(["serve", *args])
+        ).speculative.num_draft_tokens
+
+    assert k("--speculative-algorithm", "ngram") == 4
+    assert k("--speculative-algorithm", "mtp") == 3  # the chained block (MTP_DEFAULT_DRAFTS)
+    assert k("--speculative-algorithm", "mtp", "--speculative-num-draft-tokens", "1") == 1
+    assert k("--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "0") == 0
