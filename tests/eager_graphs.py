@@ -10,8 +10,10 @@ from kvrelay.models.deepseek_v4.graphs import Captured, Dsv4GraphRunner
 
 class EagerGraphs(Dsv4GraphRunner):
     def capture(self, bs: int, ctx: int, q: int = 1) -> None:
+        """The warm-up a real capture runs first (eagerly, on padding), no graph."""
         if (bs, ctx, q) in self.graphs:
             return
+        self._warm_up(bs, ctx, q)
         self.graphs[(bs, ctx, q)] = None
 
     def _replay(self, bs: int, ctx: int, q: int) -> Captured:

@@ -42,8 +42,9 @@ MTP_BLOCK = Path(__file__).resolve().parents[1] / "data" / "dsv4-tiny-agent-mtp.
 SPEC = {
     "ngram": ("--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "4"),
     # the MTP block trained for the agent (scripts/train_agent_mtp.py)
-    # (K: the CLI's default for mtp, 3 chained drafts)
-    "mtp": ("--speculative-algorithm", "mtp", "--speculative-draft-model-path", str(MTP_BLOCK)),
+    # K = 3: the block chained on its own output
+    "mtp": ("--speculative-algorithm", "mtp", "--speculative-num-draft-tokens", "3",
+            "--speculative-draft-model-path", str(MTP_BLOCK)),
 }  # fmt: skip
 ACCEPTED = "kvrelay_spec_decode_num_accepted_tokens_total"
 DRAFTED = "kvrelay_spec_decode_num_draft_tokens_total"

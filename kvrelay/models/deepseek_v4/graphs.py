@@ -177,13 +177,10 @@ class Dsv4GraphRunner:
         """The graph(s) of (batch bucket, context bucket, rows per request), unless there."""
         if (bs, ctx, q) in self.graphs:
             return
-        self._load(Dsv4Step([], [], [], [], [], [], 0), bs, q, ctx)  # padding only
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks kernels
-            warm = self._forward(bs, ctx, q)
-            if self.mtp:
-                self._mtp_forward(bs, q, warm)
+            self._warm_up(bs, ctx, q)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: a CUDA call on another thread (a PD transfer opening an IPC handle, a
@@ -197,6 +194,19 @@ class Dsv4GraphRunner:
             with torch.cuda.graph(got.mtp_graph, pool=self.pool, capture_error_mode="thread_local"):
                 got.drafts = self._mtp_forward(bs, q, got)
         self.graphs[(bs, ctx, q)] = got
+
+    def _warm_up(self, bs: int, ctx: int, q: int) -> None:
+        """The key's forward (and MTP pass) run once, eagerly, on padding: every input is
+        loaded, the MTP pass's too (what a step of another key left there, a draft row past
+        this key's rows, would index out of bounds)."""
+        self._load(Dsv4Step([], [], [], [], [], [], 0), bs, q, ctx)
+        st = self.stage
+        for name in ("next_ids", "draft_rows", "draft_valid"):
+            st.put(name, np.zeros(st.size[name], dtype=np.int64))
+        st.send("next_ids", "draft_valid")
+        warm = self._forward(bs, ctx, q)
+        if self.mtp:
+            self._mtp_forward(bs, q, warm)
 
     def _replay(self, bs: int, ctx: int, q: int) -> Captured:
         got = self.graphs[(bs, ctx, q)]
