@@ -16,6 +16,7 @@
 #   run(command="PART=check bash scripts/gpu_session.sh", carry=[".whl"], timeout_s=600)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
+MODEL=${MODEL:-dsv4-mini}  # profile/spec: dsv4-mini8 on an 80 GB card (dsv4-mini needs an H200)
 mkdir -p "$OUT"
 case "${PART:-check}" in
 check)
@@ -30,16 +31,16 @@ check)
   ;;
 profile)
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-  timeout -s INT -k 10 150 python3 benchmarks/dsv4_decode.py --batches 1,8,64 --contexts 4096 \
+  timeout -s INT -k 10 150 python3 benchmarks/dsv4_decode.py --model $MODEL --batches 1,8,64 --contexts 4096 \
     --out "$OUT/dsv4_decode.json" 2>&1 | tail -12
-  timeout -s INT -k 10 120 python3 benchmarks/dsv4_profile.py --batches 1,64 --steps 3 \
+  timeout -s INT -k 10 120 python3 benchmarks/dsv4_profile.py --model $MODEL --batches 1,64 --steps 3 \
     --out "$OUT/dsv4_profile.json" 2>&1 | tail -40
   echo "== aten launch sources, batch 1"
-  timeout -s INT -k 10 90 python3 benchmarks/dsv4_launch_sources.py --batch 1 --top 60 \
+  timeout -s INT -k 10 90 python3 benchmarks/dsv4_launch_sources.py --model $MODEL --batch 1 --top 60 \
     > "$OUT/launch_sources.txt" 2>&1
   head -30 "$OUT/launch_sources.txt"
   echo "== speculative decoding on dsv4-mini (dummy: the MTP overhead bound, and oracle drafts: all accepted)"
-  timeout -s INT -k 10 200 python3 benchmarks/spec_decode.py --model dsv4-mini --algorithm mtp --draft-tokens 1,3 \
+  timeout -s INT -k 10 200 python3 benchmarks/spec_decode.py --model $MODEL --algorithm mtp --draft-tokens 1,3 \
     --concurrency 1,8 --max-tokens 64 --oracle-drafts --out "$OUT/spec_mtp_dsv4_mini.json" 2>&1 | tail -3
   ;;
 compare)
@@ -72,7 +73,7 @@ spec)
       --out "$OUT/spec_agent_ngram_$dt.json" 2>&1 | tail -3
   done
   echo "== dsv4-mini mtp K=1,3 (dummy: overhead bound; oracle drafts: all accepted)"
-  timeout -s INT -k 10 200 python3 benchmarks/spec_decode.py --model dsv4-mini --algorithm mtp \
+  timeout -s INT -k 10 200 python3 benchmarks/spec_decode.py --model $MODEL --algorithm mtp \
     --draft-tokens 1,3 --concurrency 1,8 --max-tokens 64 --oracle-drafts \
     --out "$OUT/spec_mtp_dsv4_mini.json" 2>&1 | tail -4
   ;;

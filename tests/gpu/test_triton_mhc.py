@@ -63,11 +63,15 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
     of its row's RMS (a sum of bf16 terms that nearly cancel leaves a small value whose own
     ulp says nothing of the terms' rounding), and equal bits for nearly all values."""
     assert got.shape == want.shape and got.dtype == want.dtype
-    if got.dtype == torch.float32:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        return
     g, w = got.float(), want.float()
     rms = w.square().mean(-1, keepdim=True).sqrt()
+    if got.dtype == torch.float32:
+        # The collapse adds 4 streams weighted by gates that are fp32 functions of the mix,
+        # within rtol 1e-4 of the reference's (module docstring): where the terms nearly cancel
+        # a value moves by that much of its row's scale, not of itself (measured on the H100:
+        # 1.4e-5 on a value of 0.35 whose row's RMS is ~1).
+        assert ((g - w).abs() <= 1e-4 * torch.maximum(w.abs(), rms)).all(), (g - w).abs().max()
+        return
     assert ((g - w).abs() <= 2 * 2**-7 * torch.maximum(w.abs(), rms)).all(), (g - w).abs().max()
     assert (g != w).float().mean() < 0.05
 
