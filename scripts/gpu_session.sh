@@ -18,6 +18,10 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 MODEL=${MODEL:-dsv4-mini}  # profile/spec: dsv4-mini8 on an 80 GB card (dsv4-mini needs an H200)
 mkdir -p "$OUT"
+if [ "${PART:-check}" != check ] && [ ! -d /tmp/site/fastapi ]; then  # check installs them itself
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+fi
 case "${PART:-check}" in
 check)
   BUDGET_S=${BUDGET_S:-280} SKIP=${SKIP:-served} bash scripts/gpu_check.sh
