@@ -1,0 +1,59 @@
+"""Which decode steps of an engine run eagerly instead of from a graph, and why: the plain
+agent at concurrency 1 came out ~10x slower per token than at 8 on the H100 (2026-12-07).
+
+    python scripts/dev_graph_miss.py MODEL_DIR [--dtype bfloat16] [--concurrency 1,8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from agent_prompts import agent_prompts  # noqa: E402
+
+from kvrelay.config import CacheConfig, EngineConfig  # noqa: E402
+from kvrelay.engine.engine import Engine, generate  # noqa: E402
+from kvrelay.engine.messages import SamplingParams  # noqa: E402
+from kvrelay.models.deepseek_v4 import graphs as g  # noqa: E402
+
+seen: collections.Counter = collections.Counter()
+orig = g.Dsv4GraphRunner.can_run
+
+
+def can_run(self, step, profile):
+    ok = orig(self, step, profile)
+    key = (
+        "graph" if ok else "eager",
+        len(step.counts), max(step.counts, default=0), step.n_sampled, len(step.rows),
+        bool(step.all_rows), g.context_bucket(g._context(step), self.runner.page_size)
+        if step.counts else 0, self.max_context, profile is not None,
+    )  # fmt: skip
+    seen[key] += 1
+    return ok
+
+
+g.Dsv4GraphRunner.can_run = can_run
+p = argparse.ArgumentParser()
+p.add_argument("model")
+p.add_argument("--dtype", default="bfloat16")
+p.add_argument("--concurrency", default="1,8")
+a = p.parse_args()
+eng = Engine(EngineConfig(model=a.model, load_format="auto", dtype=a.dtype,
+                          max_cuda_graph_batch=64, cache=CacheConfig(max_total_tokens=64 * 1024)))  # fmt: skip
+params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+print("graphs:", eng.runner.graphs is not None, "max_model_len", eng.runner.max_model_len)
+for c in [int(x) for x in a.concurrency.split(",")]:
+    prompts = agent_prompts(c, 200, Path(a.model))
+    for rep in range(2):
+        seen.clear()
+        t0 = time.perf_counter()
+        generate(eng, prompts, params)
+        dt = time.perf_counter() - t0
+        print(f"c{c} run {rep}: {dt * 1e3 / 64:.2f} ms/token")
+        for k, v in sorted(seen.items(), key=lambda kv: -kv[1]):
+            print("   ", v, "(path, bs, q, n_sampled, rows, all_rows, ctx, max_ctx, profile) =", k)
