@@ -38,6 +38,25 @@ def can_run(self, step, profile):
 
 
 g.Dsv4GraphRunner.can_run = can_run
+try:  # every Triton compile, with its time: which kernels a new step shape compiles again
+    import triton.compiler.compiler as tcc
+
+    _compile = tcc.compile
+
+    def timed_compile(src, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = _compile(src, *args, **kwargs)
+        name = getattr(getattr(src, "fn", None), "__name__", None) or str(src)[:60]
+        print(f"  triton compile {name}: {(time.perf_counter() - t0) * 1e3:.0f} ms", flush=True)
+        return out
+
+    tcc.compile = timed_compile
+    import triton.runtime.jit as tjit
+
+    if hasattr(tjit, "compile"):
+        tjit.compile = timed_compile
+except ImportError:
+    pass
 p = argparse.ArgumentParser()
 p.add_argument("model")
 p.add_argument("--dtype", default="bfloat16")
