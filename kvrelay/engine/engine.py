@@ -322,6 +322,8 @@ class Engine:
                 )
                 continue
             self._commit(chosen[i], emitted[i], prompt_lp, fault, profile, outputs)
+        if self.drafter is not None:
+            self.runner.end_verify()
         if self.cfg.speculative.algorithm == "mtp":  # the model drafts from this step's rows
             follow = {s.req.rid: (_known(s) + em.accepted, em.tokens[-1])
                       for s, em in zip(chosen, emitted, strict=True)}  # fmt: skip

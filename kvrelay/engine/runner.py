@@ -200,6 +200,12 @@ class ModelRunner:
         return rolled_back
 
     @torch.inference_mode()
+    def end_verify(self) -> None:
+        """The step's verified requests are all settled: the family restores the state of
+        those rolled back (one batch)."""
+        self.family.end_verify()
+
+    @torch.inference_mode()
     def forward_inputs(self, inputs, profile: StepProfiler | None = None) -> torch.Tensor:
         """The sampled rows' logits of a prepared step: replayed from a graph when one covers
         it, else eagerly (benchmarks time this alone)."""

@@ -142,13 +142,19 @@ class Runnable(Protocol):
     # Speculative decoding (engine/drafter.py), as a class attribute: "overwrite" (a request's
     # state is its KV pages: a rejected draft's rows are overwritten when their positions are
     # computed again), "rollback" (it keeps per-request state that a rejected draft would
-    # corrupt: `after_verify` puts back the state from before the step, and the request
-    # computes its committed tokens again) or "" (no speculation).
+    # corrupt: `after_verify` marks it and `end_verify` puts back the state from before the
+    # step, and the request computes its committed tokens again) or "" (no speculation).
     speculation: str
 
     def after_verify(self, req: Request, rolled_back: bool) -> None:
-        """A verify step's drafts were settled for req: with "rollback", restore its state
-        from before the step where `rolled_back` (some draft was rejected)."""
+        """A verify step's drafts were settled for req: with "rollback", its state from before
+        the step is to be restored where `rolled_back` (some draft was rejected)."""
+        ...
+
+    def end_verify(self) -> None:
+        """Every request of the step is settled (after its `after_verify` calls, before the
+        next step or anything else reads the state): "rollback" restores the state of those
+        rolled back, all at once."""
         ...
 
     def warm_up(self, graphs: GraphRunner | None) -> None:

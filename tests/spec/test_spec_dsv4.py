@@ -23,6 +23,7 @@ import pytest
 import torch
 from eager_graphs import use_eager_graphs
 
+from kvrelay.cache.spec import SLOT
 from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from kvrelay.engine.engine import Engine, generate
 from kvrelay.engine.messages import SamplingParams
@@ -141,22 +142,54 @@ def test_a_rejected_verify_step_leaves_the_slot_as_it_was(plain) -> None:
         before[req.state_slot] = pool.copy_slot(req.state_slot)  # as the step begins
         return [(t + 1) % VOCAB for t in want[len(req.output_ids) :][: min(K, budget)]]
 
-    def after_verify(req, rolled_back: bool, settle=family.after_verify) -> None:
-        slot, was = req.state_slot, before.pop(req.state_slot)
+    settled: list[int] = []
+
+    def after_verify(req, rolled_back: bool, mark=family.after_verify) -> None:
+        slot, was = req.state_slot, before[req.state_slot]
         changed.append(
             any(not torch.equal(a, b) for a, b in zip(was, pool.copy_slot(slot), strict=True))
         )
-        settle(req, rolled_back)
-        restored.append(
-            all(torch.equal(a, b) for a, b in zip(was, pool.copy_slot(slot), strict=True))
-        )
+        mark(req, rolled_back)
+        settled.append(slot)
+
+    def end_verify(restore=family.end_verify) -> None:  # every verified request at once
+        restore()
+        for slot in settled:
+            was = before.pop(slot)
+            restored.append(
+                all(torch.equal(a, b) for a, b in zip(was, pool.copy_slot(slot), strict=True))
+            )
+        settled.clear()
 
     spec.scheduler.drafter = wrong
     family.after_verify = after_verify
+    family.end_verify = end_verify
     outs = generate(spec, [ids], _greedy(12))[0]
     assert _tokens(outs) == want
     assert spec.drafter.stats.num_accepted_tokens == 0 and len(restored) >= 4
     assert all(restored) and all(changed)
+
+
+def test_a_batch_restore_puts_back_only_the_slots_asked() -> None:
+    """The runner snapshots every drafting request's slot in one gather and restores those
+    rolled back in one copy per tensor: restoring slots 7 and 3 of a snapshot of 3, 5, 7 gives
+    them their bytes from before and leaves 5 as the step left it."""
+    pool = _engine(NGRAM).runner.pool
+    slots = [3, 5, 7]
+    gen = torch.Generator().manual_seed(0)
+    tensors = [pool.tensors[k.name] for k in pool.spec.of(SLOT)]
+    for t in tensors:
+        t[slots] = torch.randn(t[slots].shape, generator=gen).to(t.dtype)
+    before = {s: pool.copy_slot(s) for s in slots}
+    snap = pool.snapshot_slots(slots)
+    for t in tensors:  # the verify step writes every drafting slot
+        t[slots] += 1
+    stepped = pool.copy_slot(5)
+    pool.restore_slots(snap, [7, 3])
+    for s in (3, 7):
+        assert all(torch.equal(a, b) for a, b in zip(before[s], pool.copy_slot(s), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(stepped, pool.copy_slot(5), strict=True))
+    assert not any(torch.equal(a, b) for a, b in zip(before[5], stepped, strict=True))
 
 
 def test_tensor_parallel_speculation_is_refused() -> None:

@@ -14,7 +14,7 @@ from kvrelay.layers.parallel import TPGroup
 from kvrelay.models.base import Scheduled
 from kvrelay.models.deepseek_v4.batch_meta import StepIndex, build_meta
 from kvrelay.models.deepseek_v4.batched import forward_batched, mtp_drafts
-from kvrelay.models.deepseek_v4.cache_pool import DeepseekV4CachePool
+from kvrelay.models.deepseek_v4.cache_pool import DeepseekV4CachePool, SlotSnapshot
 from kvrelay.models.deepseek_v4.cache_spec import dsv4_cache_spec, dsv4_page_size
 from kvrelay.models.deepseek_v4.config import CSA, HCA, DeepseekV4Config
 from kvrelay.models.deepseek_v4.fp8_linears import use_fp8_linears
@@ -54,7 +54,8 @@ class DeepseekV4Runnable:
         self.ops: AttentionOps | None = None
         self.kernels: LayerKernels | None = None
         self.pool: DeepseekV4CachePool | None = None
-        self._before_verify: dict[int, list[torch.Tensor]] = {}  # slot -> its state, copied
+        self._before_verify: SlotSnapshot | None = None  # drafting requests' slots, copied
+        self._rolled_back: list = []  # requests whose slot end_verify puts back
         # --speculative-algorithm mtp: the MTP block runs over every step's rows (its window
         # rows in the pool) once the step's tokens are committed, and drafts the next token
         self.mtp = cfg.speculative.algorithm == "mtp"
@@ -173,16 +174,23 @@ class DeepseekV4Runnable:
             r = s.req
             if r.matched_tokens and r.num_computed == r.matched_tokens:
                 self.pool.restore_slot(r.state_slot, r.pages[r.matched_tokens // p - 1])
-        self._before_verify = {
-            s.req.state_slot: self.pool.copy_slot(s.req.state_slot)
-            for s in batch
-            if getattr(s, "draft", None)
-        }
+        drafting = [s.req.state_slot for s in batch if getattr(s, "draft", None)]
+        self._before_verify = self.pool.snapshot_slots(drafting) if drafting else None
+        self._rolled_back = []
 
     def after_verify(self, req, rolled_back: bool) -> None:
-        saved = self._before_verify.pop(req.state_slot, None)
-        if rolled_back and saved is not None:
-            self.pool.load_slot(req.state_slot, saved)
+        if rolled_back and self._before_verify is not None:
+            self._rolled_back.append(req)
+
+    def end_verify(self) -> None:
+        """The step's verified requests are settled: put back the slots of those rolled back
+        (one copy per state tensor for all of them). A request that finished in the step
+        gave its slot back (its slot is now 0, the dummy): nothing to put back there."""
+        snap, reqs = self._before_verify, self._rolled_back
+        self._before_verify, self._rolled_back = None, []
+        slots = [r.state_slot for r in reqs if r.state_slot]
+        if snap is not None and slots:
+            self.pool.restore_slots(snap, slots)
 
     def propose_drafts(
         self, batch: list[Scheduled], follow: dict[str, tuple[int, int]], wants: set[str]

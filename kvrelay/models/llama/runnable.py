@@ -119,6 +119,9 @@ class DenseRunnable:
     def after_verify(self, req, rolled_back: bool) -> None:
         """Rejected drafts' rows are overwritten later: nothing to undo."""
 
+    def end_verify(self) -> None:
+        """Nothing was marked to undo."""
+
     def warm_up(self, graphs) -> None:
         """The graphs' capture compiled what decode runs; prefill compiles nothing lazily."""
 
