@@ -73,11 +73,10 @@ class SchedulerConfig:
 
 
 SPECULATIVE_ALGORITHMS = ("none", "ngram", "mtp")  # mtp: DeepSeek-V4's own MTP block
-# The CLI's K for mtp when none is given. One draft: the configuration whose graphed path ran
-# on the GPU (2026-12-07). Chains pay more on the agent (tokens per step 2.00 / 2.76 / 3.41 at
-# K = 1 / 2 / 3, benchmarks/mtp_chain_acceptance.py): make K = 3 the default once its graphs
-# have run on the GPU too (tests/gpu/test_dsv4_spec_graphs_gpu.py [mtp3]).
-MTP_DEFAULT_DRAFTS = 1
+# The CLI's K for mtp when none is given: chains pay more on the agent (tokens per verify step
+# 2.00 / 2.76 / 3.41 at K = 1 / 2 / 3, benchmarks/mtp_chain_acceptance.py), and K = 3's graphs
+# ran on the GPU (tests/gpu/test_dsv4_spec_graphs_gpu.py [mtp3], H100, 2026-12-07).
+MTP_DEFAULT_DRAFTS = 3
 
 
 @dataclass(frozen=True)
