@@ -13,7 +13,7 @@ from test_dsv4_engine import make_engine, prompt
 from kvrelay.engine.engine import generate
 from kvrelay.engine.messages import SamplingParams
 from kvrelay.engine.request import Request
-from kvrelay.models.deepseek_v4.warm_up import padding_step, warm_up_shapes
+from kvrelay.models.deepseek_v4.warm_up import warm_up_shapes, warm_up_steps
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops: threads only contend
 
@@ -28,8 +28,8 @@ def _live_state(engine) -> dict[str, torch.Tensor]:
 def _run_padding_steps(engine) -> None:
     r = engine.runner
     with torch.inference_mode():
-        for counts in warm_up_shapes(r.page_size, 2048):
-            r.family.forward(padding_step(counts, r.page_size), None)
+        for step in warm_up_steps(r.page_size, 2048):  # from position 0, and a page in
+            r.family.forward(step, None)
 
 
 def test_padding_steps_touch_no_live_page_or_slot():

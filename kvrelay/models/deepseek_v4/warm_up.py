@@ -6,7 +6,9 @@ server's reservations to expire behind it (127 transfer timeouts in the first bu
 steps on padding only run first: every sequence in the dummy page 0 and state slot 0, which no
 request is ever handed, so no live state is touched. Shapes: one sequence (dynamo compiles it
 static), then other token and sequence counts (it recompiles them dynamic, which later steps of
-any size reuse), and a single token (sizes 0 and 1 are always specialised); then the decode
+any size reuse), and a single token (sizes 0 and 1 are always specialised); the first two again
+from a page in (a prompt's later chunk or one after a prefix cache hit: on the H100 the first
+such step of a fresh engine cost ~0.85 s more, 2026-12-07, not yet pinned down); then the decode
 graphs of the two smallest batch buckets (and their verify graphs with every draft, speculating).
 """
 
@@ -30,18 +32,27 @@ def warm_up_shapes(page_size: int, max_tokens: int) -> list[list[int]]:
     return [c for c in shapes if min(c) >= 1 and sum(c) <= max_tokens]
 
 
-def padding_step(counts: list[int], page_size: int) -> Dsv4Step:
-    """Sequences of `counts` new tokens from position 0, all in page 0 and state slot 0."""
+def padding_step(counts: list[int], page_size: int, start: int = 0) -> Dsv4Step:
+    """Sequences of `counts` new tokens from position `start` (> 0: a prompt's later chunk, or
+    a prompt after a prefix cache hit), all in page 0 and state slot 0."""
     ends = [sum(counts[: i + 1]) for i in range(len(counts))]
     return Dsv4Step(
         ids=[0] * ends[-1],
-        starts=[0] * len(counts),
+        starts=[start] * len(counts),
         counts=counts,
-        pages=[[0] * pages_for(c, page_size) for c in counts],
+        pages=[[0] * pages_for(start + c, page_size) for c in counts],
         slots=[0] * len(counts),
         rows=[e - 1 for e in ends],
         n_sampled=len(counts),
     )
+
+
+def warm_up_steps(page_size: int, max_tokens: int) -> list[Dsv4Step]:
+    """The padding steps of the warm-up: each shape from position 0, then the first two again
+    from a page in (chunks after earlier tokens take kernel variants of their own)."""
+    shapes = warm_up_shapes(page_size, max_tokens)
+    first = [padding_step(c, page_size) for c in shapes]
+    return first + [padding_step(c, page_size, page_size) for c in shapes[:2]]
 
 
 @torch.inference_mode()
@@ -52,12 +63,12 @@ def warm_up(model, graphs) -> None:
         return
     t0 = time.monotonic()
     max_tokens = model.cfg.scheduler.max_num_batched_tokens
-    shapes = warm_up_shapes(model.page_size, max_tokens)
-    for counts in shapes:
-        model.forward(padding_step(counts, model.page_size), None)
+    steps = warm_up_steps(model.page_size, max_tokens)
+    for step in steps:
+        model.forward(step, None)
     if graphs is not None:
         for bs in graphs.buckets[:2]:
             for q in sorted({1, graphs.max_q}):  # decode steps, and verify steps with every draft
                 graphs.capture(bs, graphs.min_context, q)
     torch.cuda.synchronize()
-    log.info("warm-up compiled steps=%d in %.1fs", len(shapes), time.monotonic() - t0)
+    log.info("warm-up compiled steps=%d in %.1fs", len(steps), time.monotonic() - t0)
