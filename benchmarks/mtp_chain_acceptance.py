@@ -1,8 +1,10 @@
 """How many chained MTP drafts the tiny DeepSeek-V4 agent accepts (CPU, float32, real weights):
 the agent with its trained MTP block (tests/data/dsv4-tiny-agent-mtp.safetensors) continues
 prefixes of its own conversations greedily with `--speculative-algorithm mtp` at K = 1..4
-drafts per step; per K: the mean accepted length (tokens per verify step), the acceptance of
-each draft position, and whether every output equals the plain engine's.
+drafts per step; per K: the mean accepted length (tokens per verify step), the tokens per
+decode step of a request (every step after its prompt: verify steps, and steps that compute
+again what a rolled-back verify step committed), the acceptance of each draft position, and
+whether every output equals the plain engine's.
 
     python benchmarks/mtp_chain_acceptance.py [--k 1,2,3,4] [--prompts 8] [--out PATH]
 """
@@ -27,6 +29,20 @@ REPO = Path(__file__).resolve().parents[1]
 BLOCK = REPO / "tests" / "data" / "dsv4-tiny-agent-mtp.safetensors"
 
 
+def _count_decode_steps(engine: Engine) -> list[int]:
+    """[n]: how many times a request past its prompt is scheduled, counted as steps run."""
+    counted = [0]
+    schedule = engine.scheduler.schedule
+
+    def watched():
+        batch, unfittable = schedule()
+        counted[0] += sum(1 for s in batch if s.req.output_ids)
+        return batch, unfittable
+
+    engine.scheduler.schedule = watched
+    return counted
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--k", default="1,2,3,4")
@@ -47,11 +63,14 @@ def main(argv=None) -> None:
     for k in [int(x) for x in a.k.split(",")]:
         spec_cfg = SpeculativeConfig("mtp", k, draft_model_path=str(BLOCK))
         eng = Engine(dataclasses.replace(base, speculative=spec_cfg), plain.src)
+        decode_steps = _count_decode_steps(eng)
         got = [[t for o in r for t in o.token_ids] for r in generate(eng, prompts, params)]
         s = eng.drafter.stats
         row = {
             "k": k,
             "mean_accepted_length": 1 + s.num_accepted_tokens / max(s.num_drafts, 1),
+            # the first token of each output comes from its prompt's step
+            "tokens_per_decode_step": sum(len(g) - 1 for g in got) / max(decode_steps[0], 1),
             "acceptance_per_position": [x / max(s.num_drafts, 1) for x in s.accepted_per_pos],
             "drafts": s.num_drafts,
             "outputs_equal_plain": sum(w == g for w, g in zip(want, got, strict=True)),

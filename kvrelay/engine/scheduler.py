@@ -402,8 +402,12 @@ class Scheduler:
                     break
             if req.status == Status.RUNNING:
                 draft = []
-                if n == 1 and self.drafter is not None and budget - 1 > decoders:
-                    draft = self._draft(req, budget - 1 - decoders)
+                # Drafts follow a request's last known token: a decode step's one, or all the
+                # tokens a rolled-back verify step committed (computed again with new drafts,
+                # so that a rejection does not cost a step without any)
+                decoding = n == req.num_uncomputed and not prefill
+                if decoding and self.drafter is not None and budget - n > decoders:
+                    draft = self._draft(req, budget - n - decoders)
                 batch.append(ScheduledRequest(req, n + len(draft), draft))
                 budget -= n + len(draft)
                 if prefill:
@@ -470,7 +474,8 @@ class Scheduler:
         a rejected draft's row is never registered. `rolled_back` (a "rollback" family put its
         state back as it was before the step, whose `known` tokens were not drafts): nothing
         of the step counts as computed; the next step computes its committed tokens again,
-        without drafts (it commits all it computes, so the request always moves on)."""
+        with fewer drafts (at most K + 1 rows per request: drafter.draft_room). Every step
+        commits a token at least, so the request always moves on."""
         if rolled_back:
             req.num_computed -= known
         else:

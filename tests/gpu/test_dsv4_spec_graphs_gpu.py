@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from kvrelay.engine.drafter import draft_room
 from kvrelay.engine.engine import Engine, generate
 from kvrelay.engine.messages import SamplingParams
 from kvrelay.weights.loader import resolve
@@ -52,7 +53,7 @@ def _planted(want: dict[tuple[int, ...], list[int]], vocab: int):
 
     def propose(req, budget: int) -> list[int]:
         out, pos = want[tuple(req.prompt_ids)], len(req.output_ids)
-        draft = list(out[pos : pos + min(K, budget, req.remaining_max_tokens - 1)])
+        draft = list(out[pos : pos + draft_room(req, K, budget, 1 << 30)])
         e = next(offsets)
         if e < len(draft):
             draft[e] = (draft[e] + 1) % vocab

@@ -25,6 +25,7 @@ from eager_graphs import use_eager_graphs
 
 from kvrelay.cache.spec import SLOT
 from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from kvrelay.engine.drafter import draft_room
 from kvrelay.engine.engine import Engine, generate
 from kvrelay.engine.messages import SamplingParams
 from kvrelay.weights.loader import resolve
@@ -94,8 +95,7 @@ def _planted(want: dict[tuple[int, ...], list[int]]):
     def propose(req, budget: int) -> list[int]:
         out = want[tuple(req.prompt_ids)]
         pos = len(req.output_ids)
-        room = min(K, budget, req.remaining_max_tokens - 1)
-        draft = list(out[pos : pos + room])
+        draft = list(out[pos : pos + draft_room(req, K, budget, 1 << 30)])
         e = next(offsets)
         if e < len(draft):
             draft[e] = (draft[e] + 1) % VOCAB
@@ -140,7 +140,8 @@ def test_a_rejected_verify_step_leaves_the_slot_as_it_was(plain) -> None:
 
     def wrong(req, budget: int) -> list[int]:
         before[req.state_slot] = pool.copy_slot(req.state_slot)  # as the step begins
-        return [(t + 1) % VOCAB for t in want[len(req.output_ids) :][: min(K, budget)]]
+        room = draft_room(req, K, budget, 1 << 30)
+        return [(t + 1) % VOCAB for t in want[len(req.output_ids) :][:room]]
 
     settled: list[int] = []
 
@@ -168,6 +169,34 @@ def test_a_rejected_verify_step_leaves_the_slot_as_it_was(plain) -> None:
     assert _tokens(outs) == want
     assert spec.drafter.stats.num_accepted_tokens == 0 and len(restored) >= 4
     assert all(restored) and all(changed)
+
+
+def test_a_rolled_back_request_drafts_again_within_k_plus_one_rows(plain) -> None:
+    """After a verify step rolls back, the request's next step computes the tokens it
+    committed again *with* drafts (fewer: at most K + 1 rows per request, what a verify graph
+    holds), so that a rejection does not cost a step without any. Every draft wrong here: each
+    step still commits a token and the output is plain's."""
+    spec = _engine(NGRAM)
+    ids = _prompts(1)[0]
+    want = _tokens(generate(plain, [ids], _greedy(12))[0])
+    rows: list[tuple[int, int]] = []  # (known tokens, drafts) of each scheduled request
+
+    def wrong(req, budget: int) -> list[int]:
+        room = draft_room(req, K, budget, 1 << 30)
+        return [(t + 1) % VOCAB for t in want[len(req.output_ids) :][:room]]
+
+    def watched(schedule=spec.scheduler.schedule):
+        batch, unfittable = schedule()
+        rows.extend((s.num_new_tokens - len(s.draft), len(s.draft)) for s in batch)
+        return batch, unfittable
+
+    spec.scheduler.drafter = wrong
+    spec.scheduler.schedule = watched
+    assert _tokens(generate(spec, [ids], _greedy(12))[0]) == want
+    verify = [(k, d) for k, d in rows if d]
+    assert all(k + d <= K + 1 for k, d in verify)
+    assert any(k > 1 for k, _ in verify), rows  # a rolled-back request's tokens, with drafts
+    assert len(rows) == 12  # the prompt, then one token a step
 
 
 def test_a_batch_restore_puts_back_only_the_slots_asked() -> None:
