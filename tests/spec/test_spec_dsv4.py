@@ -245,7 +245,13 @@ def test_mtp_drafts_give_the_plain_tokens(plain, concurrency: int, k: int) -> No
         assert _tokens(g) == _tokens(w)
         _close(_logprobs(g), _logprobs(w))
     stats = spec.drafter.stats
-    assert stats.num_drafts > 10 and stats.num_draft_tokens > (k - 1) * stats.num_drafts
+    assert stats.num_drafts > 10
+    # chained: k drafts a step where a request decodes (fewer after a rollback: K + 1 rows)
+    assert (
+        stats.num_draft_tokens > stats.num_drafts
+        if k > 1
+        else stats.num_draft_tokens == stats.num_drafts
+    )
     spec.check_idle_integrity()
     spec.flush_prefix_cache()
     assert spec.scheduler.page_pool.num_used == 0
@@ -283,8 +289,8 @@ def test_verify_steps_and_the_mtp_pass_through_the_graph_buffers(
     stats = spec.drafter.stats
     assert stats.num_drafts > 10 and stats.num_accepted_tokens < stats.num_draft_tokens
     qs = {q for _, _, q in graphs.graphs}
-    assert 1 in qs or algorithm == "mtp"  # (mtp drafts from the first decode step on)
-    assert max(qs) == k + 1
+    assert max(qs) == k + 1  # none past K + 1 rows per request
+    assert len(qs) >= 2 or algorithm == "mtp"  # (mtp: k drafts from every decode step on)
     assert {bs for bs, _, _ in graphs.graphs} >= {8}
     spec.check_idle_integrity()
 
