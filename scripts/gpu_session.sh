@@ -13,6 +13,8 @@
 #                ngram, concurrency 1/8/64, then dsv4-mini mtp K=1/3 (oracle drafts)     ~8 min
 #   PART=pd      dsv4-mini8 (Flash's layer shapes, 8 layers): single vs PD over cuda_ipc
 #                on one GPU, 4096 in / 64 out, concurrency 1 and 16 (issue 21 item 4)   ~7 min
+#   PART=diag    which steps of the agent run eagerly and what a new prompt size compiles
+#                (scripts/dev_graph_miss.py: every Triton compile and dynamo recompile)   ~2 min
 #   run(command="PART=check bash scripts/gpu_session.sh", carry=[".whl"], timeout_s=600)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -60,6 +62,11 @@ compare)
   ;;
 served)
   bash scripts/gpu_served_latency.sh
+  ;;
+diag)
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+  TORCH_LOGS=recompiles timeout -s INT -k 10 150 python3 scripts/dev_graph_miss.py \
+    .whl/dsv4-tiny-agent --concurrency 1,8 2>&1 | grep -v -i warn | cut -c1-200 | tail -80
   ;;
 spec)
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
