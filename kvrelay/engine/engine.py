@@ -381,7 +381,10 @@ class Engine:
             out.finish_reason = reason
             if s.draft and (last or reason is not None):
                 # Before finishing: the prefix cache takes only computed, accepted KV.
-                rolled_back = self.runner.after_verify(req, em.accepted < len(s.draft))
+                # (after advance, num_computed is the first draft's position)
+                first = req.num_computed + em.accepted
+                rejected = range(first, req.num_computed + len(s.draft))
+                rolled_back = self.runner.after_verify(req, rejected)
                 self.scheduler.settle_verified(req, rolled_back, _known(s))
             if reason is not None:
                 self.scheduler.finish(req, reason)

@@ -192,12 +192,13 @@ class ModelRunner:
             propose(batch, follow, wants)
 
     @torch.inference_mode()
-    def after_verify(self, req, rejected: bool) -> bool:
-        """req's verify step is settled; where a draft was `rejected` and the family rolls its
-        state back (models/base.py `speculation`), it does so: True if it did."""
-        rolled_back = rejected and self.family.speculation == "rollback"
-        self.family.after_verify(req, rolled_back)
-        return rolled_back
+    def after_verify(self, req, rejected: range) -> bool:
+        """req's verify step is settled, its drafts at the positions `rejected` rejected; where
+        the family keeps state a rejected draft changed (models/base.py `speculation`) it puts
+        it back (`end_verify`): True if it does."""
+        if not rejected or self.family.speculation != "rollback":
+            return False
+        return self.family.after_verify(req, rejected)
 
     @torch.inference_mode()
     def end_verify(self) -> None:

@@ -146,9 +146,10 @@ class Runnable(Protocol):
     # step, and the request computes its committed tokens again) or "" (no speculation).
     speculation: str
 
-    def after_verify(self, req: Request, rolled_back: bool) -> None:
-        """A verify step's drafts were settled for req: with "rollback", its state from before
-        the step is to be restored where `rolled_back` (some draft was rejected)."""
+    def after_verify(self, req: Request, rejected: range) -> bool:
+        """A verify step's drafts were settled for req, those at the positions `rejected` (not
+        empty) rejected: True where its state from before the step is to be restored
+        ("rollback", where a rejected draft changed what the committed tokens need)."""
         ...
 
     def end_verify(self) -> None:

@@ -128,9 +128,9 @@ def test_rejected_drafts_leave_no_trace(plain, backend: str, concurrency: int) -
 
 
 def test_a_rejected_verify_step_leaves_the_slot_as_it_was(plain) -> None:
-    """The state slot after a step whose drafts were all rejected equals the slot before it,
-    byte for byte, while right after the forward (before the rollback) the drafts had changed
-    it: they reached the compressors' windows."""
+    """The state slot after a step whose drafts were all rejected, one of them closing a
+    window, equals the slot before it, byte for byte, while right after the forward (before
+    the rollback) the drafts had changed it: they reached the compressors' windows."""
     spec = _engine(NGRAM)
     ids = _prompts(1)[0]
     want = _tokens(generate(plain, [ids], _greedy(12))[0])
@@ -143,20 +143,21 @@ def test_a_rejected_verify_step_leaves_the_slot_as_it_was(plain) -> None:
         room = draft_room(req, K, budget, 1 << 30)
         return [(t + 1) % VOCAB for t in want[len(req.output_ids) :][:room]]
 
-    settled: list[int] = []
+    settled: list[tuple[int, list[torch.Tensor]]] = []
 
-    def after_verify(req, rolled_back: bool, mark=family.after_verify) -> None:
-        slot, was = req.state_slot, before[req.state_slot]
-        changed.append(
-            any(not torch.equal(a, b) for a, b in zip(was, pool.copy_slot(slot), strict=True))
-        )
-        mark(req, rolled_back)
-        settled.append(slot)
+    def after_verify(req, rejected: range, mark=family.after_verify) -> bool:
+        slot, was = req.state_slot, before.pop(req.state_slot)
+        rolled_back = mark(req, rejected)  # (4 rejected rows: always a ratio-4 window close)
+        if rolled_back:
+            changed.append(
+                any(not torch.equal(a, b) for a, b in zip(was, pool.copy_slot(slot), strict=True))
+            )
+            settled.append((slot, was))
+        return rolled_back
 
     def end_verify(restore=family.end_verify) -> None:  # every verified request at once
         restore()
-        for slot in settled:
-            was = before.pop(slot)
+        for slot, was in settled:
             restored.append(
                 all(torch.equal(a, b) for a, b in zip(was, pool.copy_slot(slot), strict=True))
             )
@@ -169,6 +170,33 @@ def test_a_rejected_verify_step_leaves_the_slot_as_it_was(plain) -> None:
     assert _tokens(outs) == want
     assert spec.drafter.stats.num_accepted_tokens == 0 and len(restored) >= 4
     assert all(restored) and all(changed)
+
+
+@pytest.mark.parametrize("concurrency", [1, 8])
+def test_only_a_rejected_window_close_rolls_back(plain, concurrency: int) -> None:
+    """A verify step is rolled back only where a rejected draft closed a compressor window;
+    rejected drafts that close none leave the slot as the committed tokens need it, and the
+    request goes on without computing anything again. Both happen here (planted errors at every
+    offset), and the tokens and logprobs are plain's."""
+    spec = _engine(NGRAM)
+    prompts = _prompts(concurrency)
+    want = generate(plain, prompts, _greedy())
+    spec.scheduler.drafter = _planted(
+        {tuple(p): _tokens(w) for p, w in zip(prompts, want, strict=True)}
+    )
+    verdicts: list[bool] = []
+
+    def after_verify(req, rejected: range, mark=spec.runner.family.after_verify) -> bool:
+        verdicts.append(mark(req, rejected))
+        return verdicts[-1]
+
+    spec.runner.family.after_verify = after_verify
+    got = generate(spec, prompts, _greedy())
+    for w, g in zip(want, got, strict=True):
+        assert _tokens(g) == _tokens(w)
+        _close(_logprobs(g), _logprobs(w))
+    assert True in verdicts and False in verdicts, verdicts
+    spec.check_idle_integrity()
 
 
 def test_a_rolled_back_request_drafts_again_within_k_plus_one_rows(plain) -> None:

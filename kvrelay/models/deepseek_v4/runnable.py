@@ -178,9 +178,18 @@ class DeepseekV4Runnable:
         self._before_verify = self.pool.snapshot_slots(drafting) if drafting else None
         self._rolled_back = []
 
-    def after_verify(self, req, rolled_back: bool) -> None:
-        if rolled_back and self._before_verify is not None:
+    def after_verify(self, req, rejected: range) -> bool:
+        """Roll req back (in `end_verify`) only where a rejected draft closed a compressor
+        window: that close wrote the next window's open rows over rows the committed window
+        still needs and replaced an overlapping compressor's prev halves. Elsewhere a rejected
+        draft's rows lie past the committed ones, where the next step reads nothing and later
+        steps write over them (its compressed entry and index key are only written at a
+        close)."""
+        ratios = {s.ratio for s in self.pool.comp_slots + self.pool.index_slots if s is not None}
+        closes = any((j + 1) % r == 0 for r in ratios for j in rejected)
+        if closes and self._before_verify is not None:
             self._rolled_back.append(req)
+        return closes
 
     def end_verify(self) -> None:
         """The step's verified requests are settled: put back the slots of those rolled back
