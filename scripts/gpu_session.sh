@@ -74,7 +74,7 @@ spec)
   for dt in ${DTYPES:-float32 bfloat16}; do
     echo "== agent $dt: mtp K=1,3 (its trained block), then ngram"
     timeout -s INT -k 10 120 python3 benchmarks/spec_decode.py --model $agent --load-format auto \
-      --dtype $dt --algorithm mtp --draft-tokens 1,3 --draft-model-path $block --agent-prompts \
+      --dtype $dt --algorithm mtp --draft-tokens 1,3,4 --draft-model-path $block --agent-prompts \
       --concurrency 1,8,64 --max-tokens 64 --out "$OUT/spec_agent_mtp_$dt.json" 2>&1 | tail -6
     timeout -s INT -k 10 120 python3 benchmarks/spec_decode.py --model $agent --load-format auto \
       --dtype $dt --algorithm ngram --concurrency 1,8,64 --max-tokens 64 --agent-prompts \
