@@ -104,6 +104,16 @@ def _planted(want: dict[tuple[int, ...], list[int]]):
     return propose
 
 
+def _all_wrong(want: list[int]):
+    """A drafter proposing the plain output's next tokens, each one off (all rejected)."""
+
+    def propose(req, budget: int) -> list[int]:
+        room = draft_room(req, K, budget, 1 << 30)
+        return [(t + 1) % VOCAB for t in want[len(req.output_ids) :][:room]]
+
+    return propose
+
+
 @pytest.mark.parametrize("backend", ["auto", "reference"])
 @pytest.mark.parametrize("concurrency", [1, 8])
 def test_rejected_drafts_leave_no_trace(plain, backend: str, concurrency: int) -> None:
@@ -138,10 +148,11 @@ def test_a_rejected_verify_step_leaves_the_slot_as_it_was(plain) -> None:
     before: dict[int, list[torch.Tensor]] = {}
     changed, restored = [], []
 
+    propose = _all_wrong(want)
+
     def wrong(req, budget: int) -> list[int]:
         before[req.state_slot] = pool.copy_slot(req.state_slot)  # as the step begins
-        room = draft_room(req, K, budget, 1 << 30)
-        return [(t + 1) % VOCAB for t in want[len(req.output_ids) :][:room]]
+        return propose(req, budget)
 
     settled: list[tuple[int, list[torch.Tensor]]] = []
 
@@ -209,16 +220,12 @@ def test_a_rolled_back_request_drafts_again_within_k_plus_one_rows(plain) -> Non
     want = _tokens(generate(plain, [ids], _greedy(12))[0])
     rows: list[tuple[int, int]] = []  # (known tokens, drafts) of each scheduled request
 
-    def wrong(req, budget: int) -> list[int]:
-        room = draft_room(req, K, budget, 1 << 30)
-        return [(t + 1) % VOCAB for t in want[len(req.output_ids) :][:room]]
-
     def watched(schedule=spec.scheduler.schedule):
         batch, unfittable = schedule()
         rows.extend((s.num_new_tokens - len(s.draft), len(s.draft)) for s in batch)
         return batch, unfittable
 
-    spec.scheduler.drafter = wrong
+    spec.scheduler.drafter = _all_wrong(want)
     spec.scheduler.schedule = watched
     assert _tokens(generate(spec, [ids], _greedy(12))[0]) == want
     verify = [(k, d) for k, d in rows if d]

@@ -185,8 +185,8 @@ class DeepseekV4Runnable:
         draft's rows lie past the committed ones, where the next step reads nothing and later
         steps write over them (its compressed entry and index key are only written at a
         close)."""
-        ratios = {s.ratio for s in self.pool.comp_slots + self.pool.index_slots if s is not None}
-        closes = any((j + 1) % r == 0 for r in ratios for j in rejected)
+        # (self.ratios: every compressor's, an indexer's being its CSA layer's)
+        closes = any((j + 1) % r == 0 for r in self.ratios for j in rejected)
         if closes and self._before_verify is not None:
             self._rolled_back.append(req)
         return closes
