@@ -61,6 +61,7 @@ p = argparse.ArgumentParser()
 p.add_argument("model")
 p.add_argument("--dtype", default="bfloat16")
 p.add_argument("--concurrency", default="1,8")
+p.add_argument("--profile", action="store_true", help="the ops of each level's second run")
 a = p.parse_args()
 eng = Engine(EngineConfig(model=a.model, load_format="auto", dtype=a.dtype,
                           max_cuda_graph_batch=64, cache=CacheConfig(max_total_tokens=64 * 1024)))  # fmt: skip
@@ -70,9 +71,20 @@ for c in [int(x) for x in a.concurrency.split(",")]:
     prompts = agent_prompts(c, 200, Path(a.model))
     for rep in range(2):
         seen.clear()
+        prof = None
+        if a.profile and rep == 1:  # where the time of a step that is not graphed goes
+            from torch.profiler import ProfilerActivity, profile
+
+            prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            prof.__enter__()
         t0 = time.perf_counter()
         generate(eng, prompts, params)
         dt = time.perf_counter() - t0
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            ops = prof.key_averages()
+            print(ops.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+            print(ops.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
         print(f"c{c} run {rep}: {dt * 1e3 / 64:.2f} ms/token")
         for k, v in sorted(seen.items(), key=lambda kv: -kv[1]):
             print("   ", v, "(path, bs, q, n_sampled, rows, all_rows, ctx, max_ctx, profile) =", k)

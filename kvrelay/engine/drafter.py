@@ -23,9 +23,8 @@ MAX_MTP_DRAFTS = 4
 def check_supported(spec: SpeculativeConfig, family_name: str, family_cls) -> None:
     """Refuse (ValueError) a speculative configuration this engine cannot run exactly, before any
     weight is read. A family speculates only where its runner says how a rejected draft leaves
-    no trace (`speculation`, models/base.py): dense KV pages are simply overwritten later
-    ("overwrite"); DeepSeek-V4's compressor windows are put back as they were before the verify
-    step ("rollback")."""
+    no trace (`speculation`, models/base.py): dense KV pages and DeepSeek-V4's state slots
+    alike are overwritten later ("overwrite")."""
     if spec.algorithm == "none":
         return
     if spec.algorithm not in ("ngram", "mtp"):
@@ -35,10 +34,10 @@ def check_supported(spec: SpeculativeConfig, family_name: str, family_cls) -> No
             f"--speculative-algorithm mtp needs a model with an MTP block (DeepSeek-V4); "
             f"{family_name} has none (use ngram)"
         )
-    if getattr(family_cls, "speculation", "") not in ("overwrite", "rollback"):
+    if getattr(family_cls, "speculation", "") != "overwrite":
         raise ValueError(
             f"--speculative-algorithm {spec.algorithm} is not supported for {family_name} models "
-            "yet (their per-request state has no rollback of rejected drafts); serve without it"
+            "yet (a rejected draft would stay in their per-request state); serve without it"
         )
     if spec.num_draft_tokens < 1:
         raise ValueError("--speculative-num-draft-tokens must be at least 1")
@@ -81,8 +80,7 @@ class SpecStats:
 def draft_room(req: Request, k: int, budget: int, max_model_len: int) -> int:
     """How many drafts req may verify this step: the bonus token is emitted too, so drafts + 1
     within max_tokens and the context; within the step budget; and at most K + 1 rows for the
-    request with its known tokens (one when it decodes; after a rolled-back verify step, the
-    tokens it committed: a verify graph holds K + 1 rows per request)."""
+    request with its known tokens (a verify graph holds K + 1 rows per request)."""
     rows_left = k + 1 - req.num_uncomputed
     return min(rows_left, budget, req.remaining_max_tokens - 1, max_model_len - 1 - req.num_tokens)
 

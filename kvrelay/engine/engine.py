@@ -322,8 +322,6 @@ class Engine:
                 )
                 continue
             self._commit(chosen[i], emitted[i], prompt_lp, fault, profile, outputs)
-        if self.drafter is not None:
-            self.runner.end_verify()
         if self.cfg.speculative.algorithm == "mtp":  # the model drafts from this step's rows
             follow = {s.req.rid: (_known(s) + em.accepted, em.tokens[-1])
                       for s, em in zip(chosen, emitted, strict=True)}  # fmt: skip
@@ -381,11 +379,7 @@ class Engine:
             out.finish_reason = reason
             if s.draft and (last or reason is not None):
                 # Before finishing: the prefix cache takes only computed, accepted KV.
-                # (after advance, num_computed is the first draft's position)
-                first = req.num_computed + em.accepted
-                rejected = range(first, req.num_computed + len(s.draft))
-                rolled_back = self.runner.after_verify(req, rejected)
-                self.scheduler.settle_verified(req, rolled_back, _known(s))
+                self.scheduler.settle_verified(req)
             if reason is not None:
                 self.scheduler.finish(req, reason)
             outputs.append(out)

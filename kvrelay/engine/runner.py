@@ -61,8 +61,8 @@ class ModelRunner:
         self.dtype = pick_dtype(cfg.dtype, self.device)
         fam = registry.family(src.config.architecture)
         family_cls = fam.load("runnable")
-        family_cls.check(cfg, src.config, self.device)  # before any weight is read
-        drafter.check_supported(cfg.speculative, fam.name, family_cls)
+        drafter.check_supported(cfg.speculative, fam.name, family_cls)  # before any weight is read
+        family_cls.check(cfg, src.config, self.device)
         batch_invariant.check_supported(cfg, self.device)  # refuses what it cannot make invariant
         # Tensor parallel: torch.distributed is already initialised by whoever started the rank.
         self.tp = TPGroup.from_default(cfg.tensor_parallel_size)
@@ -190,21 +190,6 @@ class ModelRunner:
         propose = getattr(self.family, "propose_drafts", None)
         if propose is not None:
             propose(batch, follow, wants)
-
-    @torch.inference_mode()
-    def after_verify(self, req, rejected: range) -> bool:
-        """req's verify step is settled, its drafts at the positions `rejected` rejected; where
-        the family keeps state a rejected draft changed (models/base.py `speculation`) it puts
-        it back (`end_verify`): True if it does."""
-        if not rejected or self.family.speculation != "rollback":
-            return False
-        return self.family.after_verify(req, rejected)
-
-    @torch.inference_mode()
-    def end_verify(self) -> None:
-        """The step's verified requests are all settled: the family restores the state of
-        those rolled back (one batch)."""
-        self.family.end_verify()
 
     @torch.inference_mode()
     def forward_inputs(self, inputs, profile: StepProfiler | None = None) -> torch.Tensor:

@@ -385,7 +385,7 @@ class Scheduler:
             decoders -= req.num_uncomputed == 1
             n = min(req.num_uncomputed, budget)
             # A prefill chunk: within what the decoding requests leave it. (Past its prompt, a
-            # request computes again what a rolled-back verify step committed: decode work.)
+            # preempted request computes its output again: decode work.)
             prefill = n > 1 and req.num_computed < len(req.prompt_ids)
             if prefill:
                 n = min(n, prefill_left)
@@ -402,9 +402,7 @@ class Scheduler:
                     break
             if req.status == Status.RUNNING:
                 draft = []
-                # Drafts follow a request's last known token: a decode step's one, or all the
-                # tokens a rolled-back verify step committed (computed again with new drafts,
-                # so that a rejection does not cost a step without any)
+                # Drafts follow a request's last known token(s)
                 decoding = n == req.num_uncomputed and not prefill
                 if decoding and self.drafter is not None and budget - n > decoders:
                     draft = self._draft(req, budget - n - decoders)
@@ -466,20 +464,13 @@ class Scheduler:
             return []
         return draft
 
-    def settle_verified(self, req: Request, rolled_back: bool = False, known: int = 1) -> None:
+    def settle_verified(self, req: Request) -> None:
         """After a verify step committed req's accepted drafts and its bonus (or correction)
         token: the KV of every committed token but the last is computed (the rejected drafts'
         rows beyond are overwritten when their positions are computed again). Its pages stay
         (later steps fill them); its prefix-cache insert reads num_computed, so a page holding
-        a rejected draft's row is never registered. `rolled_back` (a "rollback" family put its
-        state back as it was before the step, whose `known` tokens were not drafts): nothing
-        of the step counts as computed; the next step computes its committed tokens again,
-        with fewer drafts (at most K + 1 rows per request: drafter.draft_room). Every step
-        commits a token at least, so the request always moves on."""
-        if rolled_back:
-            req.num_computed -= known
-        else:
-            req.num_computed = req.num_tokens - 1
+        a rejected draft's row is never registered."""
+        req.num_computed = req.num_tokens - 1
 
     def _prefill_cap(self) -> int:
         """Prefill tokens this step may carry: the whole budget, or with a PrefillBudget what

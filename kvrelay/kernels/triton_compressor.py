@@ -68,7 +68,9 @@ def _pool_windows_kernel(
         valid_q = pend
     in_step = q >= start
     tok = tl.minimum(tl.maximum(base + q - start, 0), t_n - 1)
-    flat = slot * R + ((q % R) + R) % R  # remainder >= 0 for the first window's q < 0
+    # a slot row is position % 2R (two windows: models/deepseek_v4/cache_pool.py); >= 0 for
+    # the first window's q < 0
+    flat = slot * 2 * R + ((q % (2 * R)) + 2 * R) % (2 * R)
     kv = _gather(
         kv_ptr, pk_ptr, prev_kv_ptr, tok, flat, in_step, pend, valid_q, choff, ch, chm, LD, d,
         OVERLAP,
@@ -89,7 +91,7 @@ def _pool_windows_kernel(
         q1 = wstart + jr
         in1 = q1 >= start
         tok1 = tl.minimum(tl.maximum(base + q1 - start, 0), t_n - 1)
-        flat1 = slot * R + ((q1 % R) + R) % R  # q1 < 0 only on padding closers
+        flat1 = slot * 2 * R + ((q1 % (2 * R)) + 2 * R) % (2 * R)  # q1 < 0: padding only
         yes = jr >= 0
         zero = jr * 0
         kv1 = _gather(

@@ -139,24 +139,10 @@ class Runnable(Protocol):
         """Anything a request's state needs before this step reads it (rank 0 only)."""
         ...
 
-    # Speculative decoding (engine/drafter.py), as a class attribute: "overwrite" (a request's
-    # state is its KV pages: a rejected draft's rows are overwritten when their positions are
-    # computed again), "rollback" (it keeps per-request state that a rejected draft would
-    # corrupt: `after_verify` marks it and `end_verify` puts back the state from before the
-    # step, and the request computes its committed tokens again) or "" (no speculation).
+    # Speculative decoding (engine/drafter.py), as a class attribute: "overwrite" (whatever a
+    # rejected draft wrote into a request's state lies where nothing reads it before its
+    # position is computed again) or "" (no speculation).
     speculation: str
-
-    def after_verify(self, req: Request, rejected: range) -> bool:
-        """A verify step's drafts were settled for req, those at the positions `rejected` (not
-        empty) rejected: True where its state from before the step is to be restored
-        ("rollback", where a rejected draft changed what the committed tokens need)."""
-        ...
-
-    def end_verify(self) -> None:
-        """Every request of the step is settled (after its `after_verify` calls, before the
-        next step or anything else reads the state): "rollback" restores the state of those
-        rolled back, all at once."""
-        ...
 
     def warm_up(self, graphs: GraphRunner | None) -> None:
         """Compile before the engine reports ready (a no-op where nothing compiles)."""

@@ -257,9 +257,9 @@ def test_a_request_preempted_on_decode_resumes_only_from_a_resumable_received_pa
             received[req.rid] = list(req.pages)
             admit(req)
 
-        def restore_and_note(slot: int, page: int) -> None:
+        def restore_and_note(slot: int, page: int, end: int) -> None:
             restored.append(page)
-            restore(slot, page)
+            restore(slot, page, end)
 
         decode.scheduler.admit_transferred = admit_and_note
         decode.runner.cache.restore_slot = restore_and_note

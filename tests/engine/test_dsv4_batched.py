@@ -98,11 +98,11 @@ def test_graph_buffers_padding_and_buckets_equal_plain_steps() -> None:
     eng.check_idle_integrity()
 
 
-def test_meta_lists_closers_and_each_sequences_last_one() -> None:
-    # seq 0: positions 2..9 (closes ratio-4 windows at 3 and 7); seq 1: position 11 (closes)
-    m = build_meta([2, 11], [8, 1], [[1], [2]], [1, 2], (4,), 16, torch.device("cpu"))
-    assert m.positions.tolist() == [2, 3, 4, 5, 6, 7, 8, 9, 11]
+def test_meta_lists_closers_and_each_sequences_last_two() -> None:
+    # seq 0: positions 2..13 (closes ratio-4 windows at 3, 7 and 11); seq 1: position 11
+    m = build_meta([2, 11], [12, 1], [[1], [2]], [1, 2], (4,), 16, torch.device("cpu"))
+    assert m.positions.tolist() == list(range(2, 14)) + [11]
     c = m.closers[4]
-    assert c.rows.tolist() == [1, 5, 8] and c.valid.all()
-    assert c.last.tolist() == [False, True, True]
+    assert c.rows.tolist() == [1, 5, 9, 12] and c.valid.all()
+    assert c.keeps_prev.tolist() == [False, True, True, True]
     assert m.max_entries == {4: 3}

@@ -52,8 +52,8 @@ def test_pool_windows_matches_reference(r, overlap, d, step):
         return torch.randn(*shape, generator=gen, device="cuda") * 2
 
     kv, score = rnd(t, coff * d), rnd(t, coff * d)
-    pk, ps = rnd(slots, r, coff * d), rnd(slots, r, coff * d)
-    prev = (rnd(slots, r, d), rnd(slots, r, d)) if overlap else (None, None)
+    pk, ps = rnd(slots, 2 * r, coff * d), rnd(slots, 2 * r, coff * d)  # two windows a slot
+    prev = (rnd(slots, 2 * r, d), rnd(slots, 2 * r, d)) if overlap else (None, None)
     cl = meta.closers[r]
     want, want_first = pool_windows_reference(kv, score, pk, ps, *prev, meta, cl, r, d)
     got, got_first = pool_windows(kv, score, pk, ps, *prev, meta, cl, r, d)

@@ -4,13 +4,14 @@ a rejected draft leaves no trace in any state the model keeps.
 
 A verify step runs the drafts through every layer: their sliding-window rows, the compressors'
 open windows (CSA ratio 4 with overlap, HCA ratio 16 here), the entries of windows they close and
-the indexer's keys. The runner copies each drafting request's state slot before the step and,
-where a draft was rejected, copies it back; the request then computes its committed tokens again.
-Checked directly with drafts built from the plain engine's own greedy output with one planted
-error at every offset (so that steps accept all, some or none of the drafts, and the rejected
-ones fall on window ends of both ratios): the tokens and logprobs are the plain engine's, every
-page and slot is accounted for afterwards. (The n-gram drafter on real weights:
-test_spec_dsv4_served.py; random weights rarely repeat themselves.)
+the indexer's keys. Nothing is copied back: a state slot keeps two windows, so a rejected
+draft's rows land where nothing reads them before their positions are computed again
+(cache_pool.py; test_dsv4_rejected_close.py checks it at one compress step). Checked here with
+drafts built from the plain engine's own greedy output with one planted error at every offset
+(so that steps accept all, some or none of the drafts, and the rejected ones close windows of
+both ratios): the tokens and logprobs are the plain engine's, every page and slot is accounted
+for afterwards. (The n-gram drafter on real weights: test_spec_dsv4_served.py; random weights
+rarely repeat themselves.)
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import pytest
 import torch
 from eager_graphs import use_eager_graphs
 
-from kvrelay.cache.spec import SLOT
 from kvrelay.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from kvrelay.engine.drafter import draft_room
 from kvrelay.engine.engine import Engine, generate
@@ -104,16 +104,6 @@ def _planted(want: dict[tuple[int, ...], list[int]]):
     return propose
 
 
-def _all_wrong(want: list[int]):
-    """A drafter proposing the plain output's next tokens, each one off (all rejected)."""
-
-    def propose(req, budget: int) -> list[int]:
-        room = draft_room(req, K, budget, 1 << 30)
-        return [(t + 1) % VOCAB for t in want[len(req.output_ids) :][:room]]
-
-    return propose
-
-
 @pytest.mark.parametrize("backend", ["auto", "reference"])
 @pytest.mark.parametrize("concurrency", [1, 8])
 def test_rejected_drafts_leave_no_trace(plain, backend: str, concurrency: int) -> None:
@@ -137,123 +127,45 @@ def test_rejected_drafts_leave_no_trace(plain, backend: str, concurrency: int) -
     assert spec.scheduler.page_pool.num_used == 0
 
 
-def test_a_rejected_verify_step_leaves_the_slot_as_it_was(plain) -> None:
-    """The state slot after a step whose drafts were all rejected, one of them closing a
-    window, equals the slot before it, byte for byte, while right after the forward (before
-    the rollback) the drafts had changed it: they reached the compressors' windows."""
-    spec = _engine(NGRAM)
-    ids = _prompts(1)[0]
-    want = _tokens(generate(plain, [ids], _greedy(12))[0])
-    pool, family = spec.runner.pool, spec.runner.family
-    before: dict[int, list[torch.Tensor]] = {}
-    changed, restored = [], []
-
-    propose = _all_wrong(want)
-
-    def wrong(req, budget: int) -> list[int]:
-        before[req.state_slot] = pool.copy_slot(req.state_slot)  # as the step begins
-        return propose(req, budget)
-
-    settled: list[tuple[int, list[torch.Tensor]]] = []
-
-    def after_verify(req, rejected: range, mark=family.after_verify) -> bool:
-        slot, was = req.state_slot, before.pop(req.state_slot)
-        rolled_back = mark(req, rejected)  # (4 rejected rows: always a ratio-4 window close)
-        if rolled_back:
-            changed.append(
-                any(not torch.equal(a, b) for a, b in zip(was, pool.copy_slot(slot), strict=True))
-            )
-            settled.append((slot, was))
-        return rolled_back
-
-    def end_verify(restore=family.end_verify) -> None:  # every verified request at once
-        restore()
-        for slot, was in settled:
-            restored.append(
-                all(torch.equal(a, b) for a, b in zip(was, pool.copy_slot(slot), strict=True))
-            )
-        settled.clear()
-
-    spec.scheduler.drafter = wrong
-    family.after_verify = after_verify
-    family.end_verify = end_verify
-    outs = generate(spec, [ids], _greedy(12))[0]
-    assert _tokens(outs) == want
-    assert spec.drafter.stats.num_accepted_tokens == 0 and len(restored) >= 4
-    assert all(restored) and all(changed)
-
-
 @pytest.mark.parametrize("concurrency", [1, 8])
-def test_only_a_rejected_window_close_rolls_back(plain, concurrency: int) -> None:
-    """A verify step is rolled back only where a rejected draft closed a compressor window;
-    rejected drafts that close none leave the slot as the committed tokens need it, and the
-    request goes on without computing anything again. Both happen here (planted errors at every
-    offset), and the tokens and logprobs are plain's."""
+def test_rejected_drafts_that_close_windows_give_the_plain_tokens(plain, concurrency: int) -> None:
+    """Planted errors at every offset make rejected drafts close windows of both ratios (4 and
+    16) and fall mid-window; the request goes on from its first rejected position without
+    computing anything again, and its tokens and logprobs are plain's."""
     spec = _engine(NGRAM)
     prompts = _prompts(concurrency)
     want = generate(plain, prompts, _greedy())
     spec.scheduler.drafter = _planted(
         {tuple(p): _tokens(w) for p, w in zip(prompts, want, strict=True)}
     )
-    verdicts: list[bool] = []
+    drafted: dict[str, tuple[int, int]] = {}  # rid -> (tokens as its verify step began, drafts)
+    rejected: list[range] = []
 
-    def after_verify(req, rejected: range, mark=spec.runner.family.after_verify) -> bool:
-        verdicts.append(mark(req, rejected))
-        return verdicts[-1]
+    def watched(schedule=spec.scheduler.schedule):
+        batch, unfittable = schedule()
+        drafted.update({s.req.rid: (s.req.num_tokens, len(s.draft)) for s in batch if s.draft})
+        return batch, unfittable
 
-    spec.runner.family.after_verify = after_verify
+    def settled(req, settle=spec.scheduler.settle_verified) -> None:
+        before, k = drafted.pop(req.rid)  # rows at positions before - 1 .. before - 1 + k
+        rejected.append(range(req.num_tokens - 1, before + k))
+        settle(req)
+
+    spec.scheduler.schedule, spec.scheduler.settle_verified = watched, settled
     got = generate(spec, prompts, _greedy())
     for w, g in zip(want, got, strict=True):
         assert _tokens(g) == _tokens(w)
         _close(_logprobs(g), _logprobs(w))
-    assert True in verdicts and False in verdicts, verdicts
+    for r in (4, 16):
+        assert any((j + 1) % r == 0 for rej in rejected for j in rej), r
+    assert any(rej and all((j + 1) % 4 for j in rej) for rej in rejected)  # mid-window only
     spec.check_idle_integrity()
 
 
-def test_a_rolled_back_request_drafts_again_within_k_plus_one_rows(plain) -> None:
-    """After a verify step rolls back, the request's next step computes the tokens it
-    committed again *with* drafts (fewer: at most K + 1 rows per request, what a verify graph
-    holds), so that a rejection does not cost a step without any. Every draft wrong here: each
-    step still commits a token and the output is plain's."""
-    spec = _engine(NGRAM)
-    ids = _prompts(1)[0]
-    want = _tokens(generate(plain, [ids], _greedy(12))[0])
-    rows: list[tuple[int, int]] = []  # (known tokens, drafts) of each scheduled request
-
-    def watched(schedule=spec.scheduler.schedule):
-        batch, unfittable = schedule()
-        rows.extend((s.num_new_tokens - len(s.draft), len(s.draft)) for s in batch)
-        return batch, unfittable
-
-    spec.scheduler.drafter = _all_wrong(want)
-    spec.scheduler.schedule = watched
-    assert _tokens(generate(spec, [ids], _greedy(12))[0]) == want
-    verify = [(k, d) for k, d in rows if d]
-    assert all(k + d <= K + 1 for k, d in verify)
-    assert any(k > 1 for k, _ in verify), rows  # a rolled-back request's tokens, with drafts
-    assert len(rows) == 12  # the prompt, then one token a step
-
-
-def test_a_batch_restore_puts_back_only_the_slots_asked() -> None:
-    """The runner snapshots every drafting request's slot in one gather and restores those
-    rolled back in one copy per tensor: restoring slots 7 and 3 of a snapshot of 3, 5, 7 gives
-    them their bytes from before and leaves 5 as the step left it."""
-    pool = _engine(NGRAM).runner.pool
-    slots = [3, 5, 7]
-    gen = torch.Generator().manual_seed(0)
-    tensors = [pool.tensors[k.name] for k in pool.spec.of(SLOT)]
-    for t in tensors:
-        t[slots] = torch.randn(t[slots].shape, generator=gen).to(t.dtype)
-    before = {s: pool.copy_slot(s) for s in slots}
-    snap = pool.snapshot_slots(slots)
-    for t in tensors:  # the verify step writes every drafting slot
-        t[slots] += 1
-    stepped = pool.copy_slot(5)
-    pool.restore_slots(snap, [7, 3])
-    for s in (3, 7):
-        assert all(torch.equal(a, b) for a, b in zip(before[s], pool.copy_slot(s), strict=True))
-    assert all(torch.equal(a, b) for a, b in zip(stepped, pool.copy_slot(5), strict=True))
-    assert not any(torch.equal(a, b) for a, b in zip(before[5], stepped, strict=True))
+def test_draft_tokens_past_the_smallest_ratio_are_refused() -> None:
+    """A state slot keeps two windows: a verify step's rows may not span more."""
+    with pytest.raises(ValueError, match="at most 4 drafts a step"):
+        _engine(dataclasses.replace(NGRAM, num_draft_tokens=5))
 
 
 def test_tensor_parallel_speculation_is_refused() -> None:

@@ -191,7 +191,7 @@ def test_conversations_equal_plain_decoding(servers, plain_answers, algorithm, w
             _same_answer(w, g)
     accepted, drafted = spec.metric(ACCEPTED) - accepted, spec.metric(DRAFTED) - drafted
     assert 0 < accepted <= drafted
-    if len(which) > 1:  # and some were rejected (the state rolled back)
+    if len(which) > 1:  # and some were rejected
         assert accepted < drafted
     if algorithm == "mtp":  # the trained block predicts the agent well
         assert accepted >= 0.7 * drafted, (accepted, drafted)

@@ -20,12 +20,19 @@ import torch
 @dataclass
 class Closers:
     """Rows whose token closes a compression window of one ratio (entry (pos + 1) / r - 1 is
-    complete after it). `valid` is False for padding; `last` marks each sequence's last closer
-    in the step (it leaves its window in the overlap state)."""
+    complete after it). `valid` is False for padding; `keeps_prev` marks each sequence's last
+    two closers in the step (they leave their windows' first halves in the state slot)."""
 
     rows: torch.Tensor  # [C] long
     valid: torch.Tensor  # [C] bool
-    last: torch.Tensor  # [C] bool
+    keeps_prev: torch.Tensor  # [C] bool
+
+
+def keeps_prev(closing: np.ndarray, pos: np.ndarray, end: np.ndarray, r: int) -> np.ndarray:
+    """Which closing rows (at positions `pos`, of sequences ending at `end`) close one of their
+    sequence's last two windows closed in the step: a later step starting anywhere in the last
+    two windows reads those halves (cache_pool.py: why two)."""
+    return closing & (pos + 1 >= (end // r - 1) * r)
 
 
 @dataclass
@@ -81,9 +88,7 @@ def build_meta(
         else:
             rows = np.nonzero(closing)[0]
             valid = np.ones(rows.shape[0], dtype=bool)
-        # the last closer of its sequence: no later closing row of the same sequence
-        last = valid & (end[seq[rows]] // r * r == pos[rows] + 1)
-        closers[r] = (rows, valid, last)
+        closers[r] = (rows, valid, keeps_prev(valid, pos[rows], end[seq[rows]], r))
 
     def dev(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
@@ -98,7 +103,7 @@ def build_meta(
         chunk_start=dev(st),
         chunk_end=dev(end),
         tok_base=dev(base),
-        closers={r: Closers(dev(a), dev(v), dev(last)) for r, (a, v, last) in closers.items()},
+        closers={r: Closers(dev(a), dev(v), dev(k)) for r, (a, v, k) in closers.items()},
         max_entries=dict(max_entries),
         page_size=page_size,
     )
@@ -108,15 +113,16 @@ def build_meta(
 class CompressPlan:
     """Where one compress ratio's step reads and writes, the same for every layer of that
     ratio: the closing windows' first positions, the pool rows their entries go to (the dummy
-    page for padding closers), each row's pending-window slot row, the slot whose previous
-    half the last closed window replaces (0: none), each row's position-bias row, and the page
-    whose end the closing window reaches (its prev state is kept there for the prefix cache;
-    0, the dummy page: not a page end)."""
+    page for padding closers), each row's flat state-slot row (slot * 2r + position % 2r; the
+    dummy slot 0 for rows before the sequence's last two windows), each closer's half-window
+    of prev rows (slot * 2 + window % 2; 0: not one of the last two closed), each row's
+    position-bias row, and the page whose end the closing window reaches (its prev state is
+    kept there for the prefix cache; 0, the dummy page: not a page end)."""
 
     window_start: torch.Tensor  # [C]
     store_rows: torch.Tensor  # [C]
     pending_rows: torch.Tensor  # [T]
-    prev_slots: torch.Tensor  # [C]
+    prev_rows: torch.Tensor  # [C]
     bias_rows: torch.Tensor  # [T]
     page_prev: torch.Tensor  # [C]
 
@@ -191,15 +197,16 @@ class StepIndex:
             seq = m.seq[cl.rows]
             wstart = m.positions[cl.rows] + 1 - r
             rows = self.entry_rows_of(r, seq, wstart // r)
-            open_after = m.positions >= m.chunk_end[m.seq] // r * r
-            keep_slot = torch.where(open_after, m.slots[m.seq], 0)
+            last_two = m.positions >= (m.chunk_end[m.seq] // r - 1) * r
+            keep_slot = torch.where(last_two, m.slots[m.seq], 0)
             end, p = wstart + r, m.page_size
             ended = m.page_table[seq, (end // p - 1).clamp(min=0)]
+            half = m.slots[seq] * 2 + wstart // r % 2
             return CompressPlan(
                 window_start=wstart,
                 store_rows=torch.where(cl.valid, rows, 0),
-                pending_rows=keep_slot * r + m.positions % r,
-                prev_slots=torch.where(cl.valid & cl.last, m.slots[seq], 0),
+                pending_rows=keep_slot * 2 * r + m.positions % (2 * r),
+                prev_rows=torch.where(cl.keeps_prev, half, 0),
                 bias_rows=m.positions % r,
                 page_prev=torch.where(cl.valid & (end % p == 0), ended, 0),
             )

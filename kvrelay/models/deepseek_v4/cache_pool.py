@@ -7,9 +7,17 @@ ratio, so a compressed entry never straddles pages):
 - `c{r}_index_k`  CSA layers: the indexer's keys, same layout     [pages, P / 4, index_head_dim]
                   (bf16/model dtype, or fp8 e4m3 with a per-row scale)
 The compressors' partial-window state is per request, not per token: a state slot (one per
-running request) holds, for each compressor, the projected kv/score rows of the open window
-(row = position % ratio) and, for the overlapping ratio-4 compressors, the first-half
-channels of the last closed window. Positions are implicit in the request's token count.
+running request) holds, for each compressor, the projected kv/score rows of the last two
+windows (row = position % 2r: the open one and the one before it) and, for the overlapping
+ratio-4 compressors, the first-half channels of the last two closed windows (row = position %
+2r of the window's rows). Positions are implicit in the request's token count.
+
+Why two windows: a speculative verify step writes the rows of drafts that may be rejected. A
+rejected draft that closes a window would otherwise write the next window's rows over the
+committed window's and replace the prev halves the committed tokens' next close needs. With
+K <= 4 = the smallest ratio, the rows a verify step writes span at most the committed window
+and the one after it, so what a rejected draft writes lands on rows nobody reads before the
+same positions are computed again: no snapshot, no rollback, no recompute.
 
 For the prefix cache a page is a pure function of the tokens up to its end, so that any request
 with the same prefix can share it: every token's window row is written (not only the last
@@ -43,14 +51,6 @@ __all__ = ["DeepseekV4CachePool", "dsv4_page_size"]
 _FP8_MAX = 448.0
 
 
-@dataclass
-class SlotSnapshot:
-    """The per-request state of some slots as a verify step began (`snapshot_slots`)."""
-
-    slots: list[int]
-    rows: list[torch.Tensor]  # per SLOT kind of the spec, in order: [len(slots), ...]
-
-
 def _fp8_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 rows with one fp32 scale each (amax / 448)."""
     scale = rows.float().abs().amax(dim=-1).clamp(min=1e-12) / _FP8_MAX
@@ -63,9 +63,9 @@ class _CompressorSlots:
 
     ratio: int
     overlap: bool
-    pending_kv: torch.Tensor  # [slots, ratio, coff*d]
+    pending_kv: torch.Tensor  # [slots, 2 * ratio, coff*d], row = position % (2 * ratio)
     pending_score: torch.Tensor
-    prev_kv: torch.Tensor | None  # [slots, ratio, d] (overlap only)
+    prev_kv: torch.Tensor | None  # [slots, 2 * ratio, d] (overlap only), the same rows
     prev_score: torch.Tensor | None
     page_prev_kv: torch.Tensor | None  # [pages, ratio, d] prev state at each page's end
     page_prev_score: torch.Tensor | None
@@ -233,47 +233,51 @@ class DeepseekV4CachePool:
         """A copy of every per-request tensor's row of `slot`."""
         return [self.tensors[k.name][slot].clone() for k in self.spec.of(SLOT)]
 
-    def snapshot_slots(self, slots: list[int]) -> SlotSnapshot:
-        """Every per-request tensor's rows of `slots` (before a verify step) in one gather per
-        tensor: a copy per request and tensor was ~30 launches per drafting request on
-        dsv4-mini8, ~2000 per step at batch 64 (on the H100 the verify steps of the tiny agent
-        cost 2-3x a plain step at concurrency 8 and 64, 2026-12-07)."""
-        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
-        rows = [self.tensors[k.name].index_select(0, idx) for k in self.spec.of(SLOT)]
-        return SlotSnapshot(list(slots), rows)
-
-    def restore_slots(self, snap: SlotSnapshot, slots: list[int]) -> None:
-        """Put back the snapshot's rows of `slots` (some of snap.slots), one copy per tensor."""
-        where = {s: i for i, s in enumerate(snap.slots)}
-        dst = torch.tensor(slots, dtype=torch.long, device=self.device)
-        src = torch.tensor([where[s] for s in slots], dtype=torch.long, device=self.device)
-        for k, rows in zip(self.spec.of(SLOT), snap.rows, strict=True):
-            self.tensors[k.name].index_copy_(0, dst, rows.index_select(0, src))
-
-    def restore_slot(self, slot: int, page: int) -> None:
-        """Fill `slot` with the compressor state after the last token of `page` (a request
-        continuing from a cached prefix that ends there): only the overlapping compressors'
-        prev state; every open window is empty at a page end."""
+    def restore_slot(self, slot: int, page: int, end: int) -> None:
+        """Fill `slot` with the compressor state after the last token of `page`, which ends at
+        token `end` (a request continuing from a cached prefix that ends there): only the
+        overlapping compressors' prev state; every open window is empty at a page end."""
         for s in self.comp_slots + self.index_slots:
             if s is not None and s.overlap:
-                s.prev_kv[slot] = s.page_prev_kv[page]
-                s.prev_score[slot] = s.page_prev_score[page]
+                rows = window_rows(s.ratio, end // s.ratio - 1)
+                s.prev_kv[slot, rows] = s.page_prev_kv[page]
+                s.prev_score[slot, rows] = s.page_prev_score[page]
 
     @staticmethod
     def _load_slot(
         s: _CompressorSlots, slot: int, start: int, entries: torch.Tensor
     ) -> CompressorState:
-        p = start % s.ratio
-        state = CompressorState(entries, s.pending_kv[slot, :p], s.pending_score[slot, :p])
-        if s.overlap and start >= s.ratio:
-            state.prev_kv, state.prev_score = s.prev_kv[slot], s.prev_score[slot]
+        w, p = divmod(start, s.ratio)
+        rows = window_rows(s.ratio, w, p)
+        state = CompressorState(entries, s.pending_kv[slot, rows], s.pending_score[slot, rows])
+        if s.overlap and w:
+            prev = window_rows(s.ratio, w - 1)
+            state.prev_kv, state.prev_score = s.prev_kv[slot, prev], s.prev_score[slot, prev]
         return state
 
     @staticmethod
     def _store_slot(s: _CompressorSlots, slot: int, end: int, state: CompressorState) -> None:
-        p = end % s.ratio
-        s.pending_kv[slot, :p] = state.pending_kv
-        s.pending_score[slot, :p] = state.pending_score
-        if s.overlap and state.prev_kv is not None:
-            s.prev_kv[slot] = state.prev_kv
-            s.prev_score[slot] = state.prev_score
+        """The open window's rows, and where the call closed windows, the last one's rows and
+        (overlapping) the first halves of the last two: what a later call starting anywhere
+        in the last two windows reads (a verify step's rejected rows are not committed)."""
+        r = s.ratio
+        w, p = divmod(end, r)
+        rows = window_rows(r, w, p)
+        s.pending_kv[slot, rows] = state.pending_kv
+        s.pending_score[slot, rows] = state.pending_score
+        if state.closed_rows is not None:
+            rows = window_rows(r, w - 1)
+            s.pending_kv[slot, rows] = state.closed_rows[0]
+            s.pending_score[slot, rows] = state.closed_rows[1]
+        if s.overlap and state.closed_heads is not None:
+            m = state.closed_heads[0].shape[0]  # windows w - m .. w - 1 closed in the call
+            for k in range(max(0, m - 2), m):
+                rows = window_rows(r, w - m + k)
+                s.prev_kv[slot, rows] = state.closed_heads[0][k]
+                s.prev_score[slot, rows] = state.closed_heads[1][k]
+
+
+def window_rows(ratio: int, window: int, count: int | None = None) -> slice:
+    """A state slot's rows of the first `count` (default all) positions of `window`."""
+    first = window % 2 * ratio
+    return slice(first, first + (ratio if count is None else count))

@@ -4,9 +4,12 @@ or per state slot, in the order a PD transfer lists them.
 Per layer: the window KV (`swa_kv`, every token's row; a request continuing at token t reads
 the last window - 1 of them); compressed layers: the entries (`c{r}_kv`, a row per r tokens)
 and the compressor's per-request state (`c{r}_state.*`); CSA layers also the indexer's keys
-(`c{r}_index_k`, fp8 with `_scale`) and its compressor's state. The overlapping (ratio-4)
-compressors keep their prev state at each page end too (`*.page_prev_*`, one row of page_size
-tokens a page, read only by a request resuming at that page's end).
+(`c{r}_index_k`, fp8 with `_scale`) and its compressor's state. A state slot holds two windows'
+rows, row = position % 2r (`pending_*`: the projected rows; `prev_*`, overlapping compressors:
+each closed window's first halves), so that rows a rejected draft writes never land on rows the
+committed tokens still need (speculation needs no rollback: cache_pool.py). The overlapping
+(ratio-4) compressors keep their prev state at each page end too (`*.page_prev_*`, one row of
+page_size tokens a page, read only by a request resuming at that page's end).
 """
 
 from __future__ import annotations
@@ -48,10 +51,10 @@ def dsv4_cache_spec(
     def state(prefix: str, layer: int, ratio: int, dim: int, overlap: bool) -> None:
         coff = 2 if overlap else 1
         for part in ("pending_kv", "pending_score"):
-            kinds.append(KindSpec(f"{prefix}.{part}", SLOT, layer, (ratio, coff * dim), wide))
+            kinds.append(KindSpec(f"{prefix}.{part}", SLOT, layer, (2 * ratio, coff * dim), wide))
         if overlap:
             for part in ("prev_kv", "prev_score"):
-                kinds.append(KindSpec(f"{prefix}.{part}", SLOT, layer, (ratio, dim), wide))
+                kinds.append(KindSpec(f"{prefix}.{part}", SLOT, layer, (2 * ratio, dim), wide))
             for part in ("page_prev_kv", "page_prev_score"):  # one row per page
                 kinds.append(KindSpec(f"{prefix}.{part}", PAGE, layer, (1, ratio, dim), wide, P, P))
 

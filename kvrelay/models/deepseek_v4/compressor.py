@@ -102,6 +102,7 @@ class Compressor(nn.Module):
             prev_kv=prev_kv,
             prev_score=prev_score,
             closed_heads=heads,
+            closed_rows=(closed_kv[-1], closed_score[-1]) if m else None,
         )
 
     def _finish(self, pooled: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from kvrelay.models.base import BUCKETS
-from kvrelay.models.deepseek_v4.batch_meta import BatchMeta, Closers, StepIndex
+from kvrelay.models.deepseek_v4.batch_meta import BatchMeta, Closers, StepIndex, keeps_prev
 from kvrelay.models.deepseek_v4.batched import forward_batched, mtp_drafts
 from kvrelay.models.deepseek_v4.staging import Staging
 from kvrelay.models.deepseek_v4.step import Dsv4Step
@@ -71,7 +71,7 @@ class Dsv4GraphRunner:
         # every input a graph reads, in one staging buffer: the MTP pass's first, then the step's
         sizes = {"next_ids": rows, "draft_rows": self.max_bs, "draft_valid": self.max_bs}
         sizes |= {"input_ids": rows, "positions": rows, "seq": rows}
-        sizes |= {f"valid{r}": rows for r in ratios} | {f"last{r}": rows for r in ratios}
+        sizes |= {f"valid{r}": rows for r in ratios} | {f"keep{r}": rows for r in ratios}
         sizes |= {"slots": seqs, "chunk_start": seqs, "chunk_end": seqs, "tok_base": seqs}
         sizes["page_table"] = seqs * self.max_pages
         self.stage = Staging(sizes, dev)
@@ -135,7 +135,7 @@ class Dsv4GraphRunner:
         ps, t, n = self.runner.page_size, bs * q, self._num_seqs(bs, q)
         st, width = self.stage.device, ctx // ps
         closers = {
-            r: Closers(self.rows[:t], st(f"valid{r}", t) != 0, st(f"last{r}", t) != 0)
+            r: Closers(self.rows[:t], st(f"valid{r}", t) != 0, st(f"keep{r}", t) != 0)
             for r in self.runner.ratios
         }
         return BatchMeta(
@@ -271,7 +271,6 @@ class Dsv4GraphRunner:
         for r in self.runner.ratios:
             closing = own & (req < b) & ((pos + 1) % r == 0)
             st.put(f"valid{r}", closing)
-            # each sequence's last closer: no later closing row of the same sequence
-            st.put(f"last{r}", closing & (seq_end[seq] // r * r == pos + 1))
+            st.put(f"keep{r}", keeps_prev(closing, pos, seq_end[seq], r))
         st.send("input_ids", "page_table", n * width)
         return live

@@ -5,9 +5,10 @@ For every row that closes a window the r (or 2r, overlapping) pooled rows are ga
 three places: this step's projections (positions >= the sequence's chunk start), the state
 slot's pending rows (the window open when the step began), and for overlapping compressors the
 slot's previous-window half (the window closed before the step). Then the slot is updated: the
-final open window's rows go to pending, the last closed window's first half to prev (and a
-window that closes at a page end leaves its first half with that page, for the prefix cache).
-Padding and non-closing candidates write to the dummy page / slot 0, so the op has fixed shapes.
+rows of the last two windows go to pending, the last two closed windows' first halves to prev
+(a slot row is position % 2r: cache_pool.py says why), and a window that closes at a page end
+leaves its first half with that page, for the prefix cache. Padding and non-closing candidates
+write to the dummy page / slot 0, so the op has fixed shapes.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def pool_windows_reference(
         """(in this step?, row in this step's projections, row in the slot tensors)."""
         in_step = q >= start[:, None]
         tok = (base[:, None] + q - start[:, None]).clamp(0, t_n - 1)
-        flat = slot[:, None] * r + q.remainder(r)
+        flat = slot[:, None] * 2 * r + q.remainder(2 * r)
         return in_step, tok, flat
 
     cur = wstart[:, None] + offs[None, :]  # [C, r]
@@ -101,7 +102,7 @@ def compress_step(
     page_prev: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """kv, gate: [T, coff*d] the compressor's wide projections of the step's normed inputs
-    (`Attention.wide_linears`). Slot tensors: [slots, r, coff*d] (prev: [slots, r, d]).
+    (`Attention.wide_linears`). Slot tensors: [slots, 2r, coff*d] (prev: [slots, 2r, d]).
     `plan`: the step's rows for this ratio (`StepIndex.compress_plan`); `cos_sin`: the rotation
     at each closing window's first position; `store(rows, entries)` writes entries;
     `pool_windows`: the reference above or its Triton kernel; `page_prev`: the per-page prev
@@ -114,14 +115,14 @@ def compress_step(
     )
     store(plan.store_rows, comp._finish(pooled, *cos_sin))
 
-    # State after the step: rows of each sequence's final open window go to pending ...
+    # State after the step: rows of each sequence's last two windows go to pending ...
     pk, ps = pending_kv.view(-1, kv.shape[1]), pending_score.view(-1, kv.shape[1])
     pk.index_copy_(0, plan.pending_rows, kv)
     ps.index_copy_(0, plan.pending_rows, score)
-    # ... and the last closed window's first half to prev (overlapping compressors).
+    # ... and the last two closed windows' first halves to prev (overlapping compressors).
     if first_half is not None:
-        prev_kv.index_copy_(0, plan.prev_slots, first_half[0])
-        prev_score.index_copy_(0, plan.prev_slots, first_half[1])
+        prev_kv.view(-1, r, d).index_copy_(0, plan.prev_rows, first_half[0])
+        prev_score.view(-1, r, d).index_copy_(0, plan.prev_rows, first_half[1])
         if page_prev is not None:
             page_prev[0].index_copy_(0, plan.page_prev, first_half[0])
             page_prev[1].index_copy_(0, plan.page_prev, first_half[1])

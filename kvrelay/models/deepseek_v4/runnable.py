@@ -14,7 +14,7 @@ from kvrelay.layers.parallel import TPGroup
 from kvrelay.models.base import Scheduled
 from kvrelay.models.deepseek_v4.batch_meta import StepIndex, build_meta
 from kvrelay.models.deepseek_v4.batched import forward_batched, mtp_drafts
-from kvrelay.models.deepseek_v4.cache_pool import DeepseekV4CachePool, SlotSnapshot
+from kvrelay.models.deepseek_v4.cache_pool import DeepseekV4CachePool
 from kvrelay.models.deepseek_v4.cache_spec import dsv4_cache_spec, dsv4_page_size
 from kvrelay.models.deepseek_v4.config import CSA, HCA, DeepseekV4Config
 from kvrelay.models.deepseek_v4.fp8_linears import use_fp8_linears
@@ -29,11 +29,11 @@ log = logging.getLogger("kvrelay.runner")
 
 
 class DeepseekV4Runnable:
-    # A request's compressor windows live in its state slot, where a rejected draft that
-    # reached a window would stay: the slot is copied before a verify step and copied back
-    # where a draft was rejected (the request then computes its committed tokens again). Its
-    # KV rows, compressed entries and index keys past the committed length are overwritten.
-    speculation = "rollback"
+    # A rejected draft's KV rows, compressed entries and index keys lie past the committed
+    # length and are overwritten; its compressor-window rows land on state-slot rows nobody
+    # reads before their positions are computed again (two windows a slot, K <= the smallest
+    # ratio: cache_pool.py).
+    speculation = "overwrite"
     drafts_with_mtp = True  # --speculative-algorithm mtp: its MTP block drafts (propose_drafts)
 
     def __init__(
@@ -48,14 +48,10 @@ class DeepseekV4Runnable:
         self.num_state_slots = cfg.scheduler.max_running_requests + 1  # slot 0 is never handed out
         self.layer_hook = None  # benchmarks of the reference path: called before each layer
         self.reference = cfg.attention_backend == "reference"
-        self.ratios = tuple(
-            sorted({c.compress_ratio(i) for i, t in enumerate(c.layer_types) if t in (CSA, HCA)})
-        )
+        self.ratios = _compress_ratios(c)
         self.ops: AttentionOps | None = None
         self.kernels: LayerKernels | None = None
         self.pool: DeepseekV4CachePool | None = None
-        self._before_verify: SlotSnapshot | None = None  # drafting requests' slots, copied
-        self._rolled_back: list = []  # requests whose slot end_verify puts back
         # --speculative-algorithm mtp: the MTP block runs over every step's rows (its window
         # rows in the pool) once the step's tokens are committed, and drafts the next token
         self.mtp = cfg.speculative.algorithm == "mtp"
@@ -65,6 +61,14 @@ class DeepseekV4Runnable:
     @staticmethod
     def check(cfg: EngineConfig, model_cfg: DeepseekV4Config, device: torch.device) -> None:
         check_parallel(cfg, device)
+        ratios = _compress_ratios(model_cfg)
+        k = cfg.speculative.num_draft_tokens
+        if cfg.speculative.algorithm != "none" and ratios and k > min(ratios):
+            # a state slot keeps two windows: a verify step's rows must not span more
+            raise ValueError(
+                f"--speculative-num-draft-tokens {k}: DeepSeek-V4 verifies at most "
+                f"{min(ratios)} drafts a step (its smallest compress ratio)"
+            )
         if cfg.speculative.algorithm == "mtp":
             if cfg.attention_backend == "reference":
                 raise ValueError("--speculative-algorithm mtp runs on the batched path: not with "
@@ -173,33 +177,8 @@ class DeepseekV4Runnable:
         for s in batch:
             r = s.req
             if r.matched_tokens and r.num_computed == r.matched_tokens:
-                self.pool.restore_slot(r.state_slot, r.pages[r.matched_tokens // p - 1])
-        drafting = [s.req.state_slot for s in batch if getattr(s, "draft", None)]
-        self._before_verify = self.pool.snapshot_slots(drafting) if drafting else None
-        self._rolled_back = []
-
-    def after_verify(self, req, rejected: range) -> bool:
-        """Roll req back (in `end_verify`) only where a rejected draft closed a compressor
-        window: that close wrote the next window's open rows over rows the committed window
-        still needs and replaced an overlapping compressor's prev halves. Elsewhere a rejected
-        draft's rows lie past the committed ones, where the next step reads nothing and later
-        steps write over them (its compressed entry and index key are only written at a
-        close)."""
-        # (self.ratios: every compressor's, an indexer's being its CSA layer's)
-        closes = any((j + 1) % r == 0 for r in self.ratios for j in rejected)
-        if closes and self._before_verify is not None:
-            self._rolled_back.append(req)
-        return closes
-
-    def end_verify(self) -> None:
-        """The step's verified requests are settled: put back the slots of those rolled back
-        (one copy per state tensor for all of them). A request that finished in the step
-        gave its slot back (its slot is now 0, the dummy): nothing to put back there."""
-        snap, reqs = self._before_verify, self._rolled_back
-        self._before_verify, self._rolled_back = None, []
-        slots = [r.state_slot for r in reqs if r.state_slot]
-        if snap is not None and slots:
-            self.pool.restore_slots(snap, slots)
+                page = r.pages[r.matched_tokens // p - 1]
+                self.pool.restore_slot(r.state_slot, page, r.matched_tokens)
 
     def propose_drafts(
         self, batch: list[Scheduled], follow: dict[str, tuple[int, int]], wants: set[str]
@@ -261,12 +240,18 @@ class DeepseekV4Runnable:
         )
 
 
+def _compress_ratios(c: DeepseekV4Config) -> tuple[int, ...]:
+    return tuple(
+        sorted({c.compress_ratio(i) for i, t in enumerate(c.layer_types) if t in (CSA, HCA)})
+    )
+
+
 def check_parallel(cfg: EngineConfig, device: torch.device) -> None:
     """DeepSeek-V4 TP/EP runs the torch path on the CPU (gloo) only, so far: refuse the rest."""
     if cfg.speculative.algorithm != "none" and cfg.tensor_parallel_size > 1:
         raise ValueError(
             "speculative decoding is not supported for DeepSeek-V4 with tensor parallel yet "
-            "(the other ranks' state slots have no rollback of rejected drafts)"
+            "(the other ranks follow plain steps only)"
         )
     if cfg.expert_parallel and cfg.tensor_parallel_size < 2:
         raise ValueError("--expert-parallel needs --tensor-parallel-size 2 or more")

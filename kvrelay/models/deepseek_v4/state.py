@@ -28,6 +28,9 @@ class CompressorState:
     closed_heads:  ([m, ratio, d], [m, ratio, d]) overlapping compressors, after a call that
                    closed m windows: each one's first halves (its `prev` for the next entry), so
                    a paged cache can keep the prev state at page ends (prefix cache); not cloned
+    closed_rows:   ([ratio, coff*d], [ratio, coff*d]) after a call that closed a window: the
+                   last closed window's kv and score rows (a paged cache keeps the last two
+                   windows' rows, cache_pool.py); not cloned
     """
 
     entries: torch.Tensor
@@ -36,6 +39,7 @@ class CompressorState:
     prev_kv: torch.Tensor | None = None
     prev_score: torch.Tensor | None = None
     closed_heads: tuple[torch.Tensor, torch.Tensor] | None = None
+    closed_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def empty(

@@ -116,13 +116,6 @@ class DenseRunnable:
     def before_step(self, batch: list[Scheduled]) -> None:
         """A dense request's state is its KV pages: nothing to restore."""
 
-    def after_verify(self, req, rejected: range) -> bool:
-        """Rejected drafts' rows are overwritten later: nothing to undo."""
-        return False
-
-    def end_verify(self) -> None:
-        """Nothing was marked to undo."""
-
     def warm_up(self, graphs) -> None:
         """The graphs' capture compiled what decode runs; prefill compiles nothing lazily."""
 
