@@ -2,8 +2,8 @@
 the agent with its trained MTP block (tests/data/dsv4-tiny-agent-mtp.safetensors) continues
 prefixes of its own conversations greedily with `--speculative-algorithm mtp` at K = 1..4
 drafts per step; per K: the mean accepted length (tokens per verify step), the tokens per
-decode step of a request (every step after its prompt: verify steps, and steps that compute
-again what a rolled-back verify step committed), the acceptance of each draft position, and
+decode step of a request (every step after its prompt; since 2026-12-07 nothing is rolled
+back, so it equals the first unless a step had no draft), the acceptance of each draft position, and
 whether every output equals the plain engine's.
 
     python benchmarks/mtp_chain_acceptance.py [--k 1,2,3,4] [--prompts 8] [--out PATH]

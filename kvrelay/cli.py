@@ -307,6 +307,14 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         f"default {sp.num_draft_tokens} for ngram, {MTP_DEFAULT_DRAFTS} for mtp)",
     )
     g.add_argument(
+        "--speculative-disable-batch-size",
+        type=int,
+        default=sp.disable_batch_size,
+        metavar="N",
+        help="draft only while fewer than N requests decode (0: always); at a large batch a "
+        "verify step's extra rows cost more than the tokens they win",
+    )
+    g.add_argument(
         "--speculative-ngram-min",
         type=int,
         default=sp.ngram_min,
@@ -444,6 +452,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
             ngram_min=a.speculative_ngram_min,
             ngram_max=a.speculative_ngram_max,
             draft_model_path=a.speculative_draft_model_path,
+            disable_batch_size=a.speculative_disable_batch_size,
         ),
     )
 

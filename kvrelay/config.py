@@ -92,6 +92,9 @@ class SpeculativeConfig:
     # mtp: a safetensors file of the model's MTP block (`model.mtp.*`) for a checkpoint that
     # has none (e.g. tests/data/dsv4-tiny-agent-mtp.safetensors for the tiny agent)
     draft_model_path: str = ""
+    # Draft only while fewer requests than this decode (0: always): at a large batch a verify
+    # step's extra rows cost more than the tokens they win (benchmarks/spec_decode.py).
+    disable_batch_size: int = 0
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,8 @@ def check_supported(spec: SpeculativeConfig, family_name: str, family_cls) -> No
         )
     if spec.num_draft_tokens < 1:
         raise ValueError("--speculative-num-draft-tokens must be at least 1")
+    if spec.disable_batch_size < 0:
+        raise ValueError("--speculative-disable-batch-size must be 0 (never) or more")
     if spec.algorithm == "ngram":
         NgramIndex(spec.ngram_min, spec.ngram_max)  # raises on bad window sizes
     elif spec.num_draft_tokens > MAX_MTP_DRAFTS:

@@ -55,6 +55,7 @@ class Engine:
             sc, r.num_pages, r.page_size, r.num_state_slots,
             self.prefix_cache == "on", self.host_tier, self.prefill_budget,
             self.drafter.propose if self.drafter is not None else None,
+            cfg.speculative.disable_batch_size,
         )  # fmt: skip
         log.info(
             "prefix_cache=%s host_tier=%s role=%s speculative=%s", self.prefix_cache, host,

@@ -77,11 +77,13 @@ class Scheduler:
         host_tier: HostTier | None = None,
         prefill_budget: PrefillBudget | None = None,
         drafter: Callable[[Request, int], list[int]] | None = None,
+        speculate_below: int = 0,
     ) -> None:
         self.cfg, self.page_size = cfg, page_size
         self.prefill_budget = prefill_budget  # caps prefill tokens beside decoding requests
         # Speculative decoding: (request, budget) -> the tokens it drafts this step (drafter.py)
         self.drafter = drafter
+        self.speculate_below = speculate_below  # drafts while fewer decode (0: always)
         self.page_pool = BlockPool(num_pages, "page")
         # Per-request state slots (one per running request) for models that keep state outside
         # the pages; sized max_running_requests + 1, so admission never runs out.
@@ -379,6 +381,8 @@ class Scheduler:
         prefill_left = self._prefill_cap()
         # Drafts take only what leaves one token for every decoding request after them.
         decoders = sum(1 for r in self.running if r.num_uncomputed == 1)
+        below = self.speculate_below
+        speculate = self.drafter is not None and (not below or decoders < below)
         for req in sorted(self.running, key=lambda r: r.arrival):
             if req.status != Status.RUNNING or budget == 0:
                 continue
@@ -404,7 +408,7 @@ class Scheduler:
                 draft = []
                 # Drafts follow a request's last known token(s)
                 decoding = n == req.num_uncomputed and not prefill
-                if decoding and self.drafter is not None and budget - n > decoders:
+                if decoding and speculate and budget - n > decoders:
                     draft = self._draft(req, budget - n - decoders)
                 batch.append(ScheduledRequest(req, n + len(draft), draft))
                 budget -= n + len(draft)

@@ -14,9 +14,10 @@ PS = 4
 DRAFT = [5, 6, 7, 8]
 
 
-def _sched(budget: int, num_pages: int = 64, **cfg) -> Scheduler:
+def _sched(budget: int, num_pages: int = 64, below: int = 0, **cfg) -> Scheduler:
     c = SchedulerConfig(max_num_batched_tokens=budget, max_running_requests=8, **cfg)
-    return Scheduler(c, num_pages, PS, prefix_cache=True, drafter=lambda r, b: DRAFT[:b])
+    drafter = lambda r, b: DRAFT[:b]  # noqa: E731
+    return Scheduler(c, num_pages, PS, prefix_cache=True, drafter=drafter, speculate_below=below)
 
 
 def _decoding(s: Scheduler, prompts: list[list[int]], max_tokens: int = 20) -> list[Request]:
@@ -44,6 +45,29 @@ def test_drafts_leave_every_decoding_request_its_token():
         ("r2", 1, []),
     ]
     assert all(x.samples for x in batch)
+    s.check_integrity()
+
+
+def test_no_drafts_from_the_disable_batch_size_up():
+    """--speculative-disable-batch-size 3: two decoding requests draft, three do not."""
+    s = _sched(budget=64, below=3)
+    a, b = _decoding(s, [[11, 12], [13, 14]])
+    batch, _ = s.schedule()
+    assert [x.draft for x in batch] == [DRAFT, DRAFT]
+    s.advance(batch)
+    for x in batch:
+        x.req.output_ids.append(2)
+        s.settle_verified(x.req)
+    s.add(Request("r2", [15, 16], SamplingParams(max_tokens=20), 0))
+    batch, _ = s.schedule()  # r2's prompt beside them: still two decode
+    assert [x.draft for x in batch] == [DRAFT, DRAFT, []]
+    s.advance(batch)
+    for x in batch:
+        x.req.output_ids.append(3)
+        if x.draft:
+            s.settle_verified(x.req)
+    batch, _ = s.schedule()
+    assert len(batch) == 3 and all(not x.draft for x in batch)
     s.check_integrity()
 
 
