@@ -8,7 +8,7 @@ import json
 import logging
 import os
 
-from kvrelay.weights.loader import EMBEDDED, ModelSource
+from kvrelay.weights.source import EMBEDDED, ModelSource
 
 log = logging.getLogger("kvrelay.api")
 

@@ -14,7 +14,7 @@ from kvrelay.server.engine_client import EngineClient
 from kvrelay.server.generation_defaults import model_defaults
 from kvrelay.server.metrics import Metrics
 from kvrelay.server.telemetry import StepTelemetry
-from kvrelay.weights.loader import resolve
+from kvrelay.weights.source import resolve
 
 
 class ServerState:

@@ -5,13 +5,16 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from kvrelay.config import ModelConfig
 from kvrelay.models.registry import gguf_architecture
 from kvrelay.weights.gguf_file import GGUFFile
+
+if TYPE_CHECKING:  # imported where weights are read: the API process reads only the config
+    import torch
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -87,6 +90,8 @@ def read_weights(
     (dim, start, stop) | None` (tensor parallel) only that slice of each tensor is dequantized
     from the memory-mapped file (rows: a view; columns: whole quant blocks of every row);
     `nbytes` (tests) gets the bytes each tensor's read touched."""
+    import torch
+
     permute = cfg.architecture == "LlamaForCausalLM"
     for t in reader.tensors:
         name = _hf_name(t.name)

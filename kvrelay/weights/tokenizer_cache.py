@@ -10,6 +10,7 @@ to a temporary directory first and renamed into place, so a reader never sees ha
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -33,11 +34,11 @@ def _entry(gguf_path: str) -> Path | None:
 
 
 def gguf_tokenizer(model_dir: str, gguf_file: str):
-    from transformers import AutoTokenizer
-
     entry = _entry(os.path.join(model_dir, gguf_file))
     if entry is not None and entry.is_dir():
-        return AutoTokenizer.from_pretrained(entry)
+        return _load_entry(entry)
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf_file)
     if entry is not None:
         try:
@@ -53,3 +54,20 @@ def gguf_tokenizer(model_dir: str, gguf_file: str):
                 "tokenizer cache not written (%s); the tokenizer is converted each start", e
             )
     return tok
+
+
+def _load_entry(entry: Path):
+    """The saved tokenizer, through the class it was saved from where transformers exports it:
+    AutoTokenizer's module imports torch (through transformers' model configs), ~1.6 s of CPU
+    in an API process that needs none; for an entry of ours AutoTokenizer picks that class."""
+    import transformers
+
+    config = json.loads((entry / "tokenizer_config.json").read_text())
+    cls = getattr(transformers, config.get("tokenizer_class") or "", None)
+    if cls is None or cls.__name__ not in _DIRECT:
+        return transformers.AutoTokenizer.from_pretrained(entry)
+    return cls.from_pretrained(entry)
+
+
+# Saved classes AutoTokenizer loads as themselves from a directory without a model config.
+_DIRECT = ("TokenizersBackend",)

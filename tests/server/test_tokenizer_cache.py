@@ -25,6 +25,7 @@ def test_cached_tokenizer_equals_the_fresh_conversion(tmp_path, monkeypatch):
     assert not [p for p in (tmp_path / "tokenizers").iterdir() if p.name.startswith(".tmp-")]
     cached = gguf_tokenizer(src.tokenizer_dir, src.tokenizer_gguf)
     assert cached.name_or_path == str(entries[0])  # really read from the entry
+    assert type(cached) is type(fresh)  # the class AutoTokenizer picks, loaded without it
 
     for text in TEXTS:
         ids = fresh.encode(text)
