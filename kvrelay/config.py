@@ -329,8 +329,15 @@ ENV_KNOBS: dict[str, EnvKnob] = {
         EnvKnob(
             "KVRELAY_CACHE_DIR",
             "~/.cache/kvrelay",
-            "where converted artefacts are kept between starts (a GGUF model's tokenizer); "
-            "'off': keep nothing",
+            "where converted artefacts are kept between starts (a GGUF model's tokenizer and "
+            "dequantized weights); 'off': keep nothing",
+        ),
+        EnvKnob(
+            "KVRELAY_WEIGHT_CACHE_MAX_GB",
+            "4",
+            "a GGUF model's weights as served (dequantized, in the served dtype) are kept under "
+            "KVRELAY_CACHE_DIR up to this size, and later starts map them instead of "
+            "dequantizing; 0: never",
         ),
         EnvKnob(
             "KVRELAY_LEDGER",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -25,12 +26,14 @@ GPU_FULL = pytest.mark.gpu_full
 
 @pytest.fixture(scope="session", autouse=True)
 def kvrelay_cache_dir(tmp_path_factory):
-    """Converted artefacts (SmolLM2's tokenizer) go to one directory for the session, never the
-    user's: the first process converts, every later server and engine loads the saved result."""
+    """Converted artefacts (SmolLM2's tokenizer and dequantized weights) go to one directory for
+    the session, never the user's: the first process converts, every later server and engine
+    loads the saved result. The weights (~0.8 GB) go at the end: pytest keeps old sessions'."""
     path = tmp_path_factory.mktemp("kvrelay-cache")
     before = os.environ.get("KVRELAY_CACHE_DIR")
     os.environ["KVRELAY_CACHE_DIR"] = str(path)
     yield path
+    shutil.rmtree(path / "weights", ignore_errors=True)
     if before is None:
         os.environ.pop("KVRELAY_CACHE_DIR")
     else:

@@ -8,7 +8,7 @@ import torch
 from kvrelay.layers.parallel import SINGLE, TPGroup
 from kvrelay.layers.rope import RotaryEmbedding
 from kvrelay.models import registry
-from kvrelay.weights import dsv4_checkpoint, dsv4_load, gguf_reader, hf_dir
+from kvrelay.weights import dsv4_checkpoint, dsv4_load, gguf_reader, hf_dir, weight_cache
 
 # Re-exported: resolving was this module's job before source.py (torch-free) took it.
 from kvrelay.weights.source import EMBEDDED, ModelSource, embedded_gguf, resolve  # noqa: F401
@@ -41,6 +41,14 @@ def build_dense(
     cls = registry.model_class(src.config.architecture)
     with torch.device("meta"):
         model = cls(src.config) if not tp.is_parallel else cls(src.config, tp)
+    kept = None  # a GGUF model's parameters as an earlier start left them (weight_cache.py)
+    if src.kind == "gguf" and not tp.is_parallel:
+        nbytes = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+        kept = weight_cache.entry_path(src.path, dtype, nbytes)
+    state = weight_cache.load(kept, device) if kept is not None else None
+    if state is not None:  # the mapped tensors become the parameters: nothing is copied
+        model.load_state_dict(state, strict=True, assign=True)
+        return _with_rotary(model.eval(), src, dtype, device, max_positions)
     model = _to_empty(model, device)
     if src.kind == "dummy" and tp.is_parallel:
         # The same full weights as one rank would draw, each cut to this rank's part on load.
@@ -62,6 +70,12 @@ def build_dense(
         else:
             model.load_weights(hf_dir.read_weights(src.path))
     model = model.to(dtype).eval()
+    if kept is not None:
+        weight_cache.save(kept, model)
+    return _with_rotary(model, src, dtype, device, max_positions)
+
+
+def _with_rotary(model, src: ModelSource, dtype, device, max_positions: int):
     c = src.config
     max_positions = min(c.max_position_embeddings, max_positions)
     model.rotary = RotaryEmbedding(
