@@ -6,8 +6,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvrelay.bench.cli import add_bench_parser
-from kvrelay.bench.repro import add_repro_parser
 from kvrelay.config import (
     INDEX_K_DTYPES,
     MTP_DEFAULT_DRAFTS,
@@ -23,7 +21,6 @@ from kvrelay.config import (
     env_help,
 )
 from kvrelay.models import registry
-from kvrelay.ops.cli import add_up_parser
 from kvrelay.ops.open_files import raise_open_files_limit
 from kvrelay.router.policy import POLICIES
 
@@ -654,6 +651,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_http_args(r, rc.max_body_bytes, " (the router sends it to the servers too)")
     add_pd_secret_args(r)
     r.set_defaults(func=cmd_router)
+    # Imported here, not atop: a spawned engine process imports this module (its parent's
+    # __main__) and needs none of them (httpx, the load generator: ~0.2 s of CPU per engine).
+    from kvrelay.bench.cli import add_bench_parser
+    from kvrelay.bench.repro import add_repro_parser
+    from kvrelay.ops.cli import add_up_parser
+
     add_bench_parser(sub)
     add_repro_parser(sub)
     add_up_parser(sub)
