@@ -3,6 +3,8 @@ from GGUF, HF safetensors or dummy init; DeepSeek-V4 from its checkpoint or dumm
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kvrelay.layers.parallel import SINGLE, TPGroup
@@ -12,6 +14,8 @@ from kvrelay.weights import dsv4_checkpoint, dsv4_load, gguf_reader, hf_dir, wei
 
 # Re-exported: resolving was this module's job before source.py (torch-free) took it.
 from kvrelay.weights.source import EMBEDDED, ModelSource, embedded_gguf, resolve  # noqa: F401
+
+log = logging.getLogger("kvrelay.weights")
 
 
 def build_model(
@@ -47,8 +51,13 @@ def build_dense(
         kept = weight_cache.entry_path(src.path, dtype, nbytes)
     state = weight_cache.load(kept, device) if kept is not None else None
     if state is not None:  # the mapped tensors become the parameters: nothing is copied
-        model.load_state_dict(state, strict=True, assign=True)
-        return _with_rotary(model.eval(), src, dtype, device, max_positions)
+        try:
+            model.load_state_dict(state, strict=True, assign=True)
+            return _with_rotary(model.eval(), src, dtype, device, max_positions)
+        except RuntimeError as e:  # another layout (a change in layers/): built and kept anew
+            log.warning("weight cache entry does not fit path=%s (%s): rebuilding", kept, e)
+            with torch.device("meta"):
+                model = cls(src.config)
     model = _to_empty(model, device)
     if src.kind == "dummy" and tp.is_parallel:
         # The same full weights as one rank would draw, each cut to this rank's part on load.

@@ -1,8 +1,9 @@
 """The weight cache (weights/weight_cache.py): a start that maps the kept SmolLM2 weights gets
 the parameters of one that dequantizes the GGUF bit for bit (dtype, shape, strides, 64-byte
 alignment), and so the same tokens and logprobs; the entry is written whole (a temporary file,
-renamed), replaces an older entry of the same file and dtype, a damaged one is rebuilt, and
-nothing is kept with KVRELAY_CACHE_DIR=off or above KVRELAY_WEIGHT_CACHE_MAX_GB."""
+renamed), replaces an older entry of the same file and dtype, a damaged one or one of another
+layout is rebuilt, and nothing is kept with KVRELAY_CACHE_DIR=off or above
+KVRELAY_WEIGHT_CACHE_MAX_GB."""
 
 from __future__ import annotations
 
@@ -88,6 +89,11 @@ def test_entries_replace_older_ones_rebuild_damaged_ones_and_respect_off_and_the
     build_model(src, torch.bfloat16, CPU)  # dequantizes and rewrites the damaged entry
     assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, other.name])
     assert weight_cache.load(path, CPU) is not None
+
+    # An entry of another layout (names or shapes; a change in layers/) is rebuilt, not fatal.
+    torch.save({"model.norm.weight": torch.zeros(3, dtype=torch.bfloat16)}, path)
+    build_model(src, torch.bfloat16, CPU)
+    assert weight_cache.load(path, CPU)["model.norm.weight"].shape == (576,)
 
     monkeypatch.setenv("KVRELAY_WEIGHT_CACHE_MAX_GB", "0.1")  # SmolLM2 in bf16 is 0.25 GiB
     assert weight_cache.entry_path(src.path, torch.bfloat16, 135_000_000 * 2) is None
