@@ -62,6 +62,7 @@ p.add_argument("model")
 p.add_argument("--dtype", default="bfloat16")
 p.add_argument("--concurrency", default="1,8")
 p.add_argument("--profile", action="store_true", help="the ops of each level's second run")
+p.add_argument("--cprofile", action="store_true", help="the Python functions of that run")
 a = p.parse_args()
 eng = Engine(EngineConfig(model=a.model, load_format="auto", dtype=a.dtype,
                           max_cuda_graph_batch=64, cache=CacheConfig(max_total_tokens=64 * 1024)))  # fmt: skip
@@ -77,9 +78,20 @@ for c in [int(x) for x in a.concurrency.split(",")]:
 
             prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             prof.__enter__()
+        cprof = None
+        if a.cprofile and rep == 1:  # time outside torch ops (the profiler saw ~10% of c1's)
+            import cProfile
+
+            cprof = cProfile.Profile()
+            cprof.enable()
         t0 = time.perf_counter()
         generate(eng, prompts, params)
         dt = time.perf_counter() - t0
+        if cprof is not None:
+            import pstats
+
+            cprof.disable()
+            pstats.Stats(cprof).sort_stats("cumulative").print_stats(40)
         if prof is not None:
             prof.__exit__(None, None, None)
             ops = prof.key_averages()

@@ -66,7 +66,7 @@ served)
 diag)
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
   timeout -s INT -k 10 150 python3 scripts/dev_graph_miss.py .whl/dsv4-tiny-agent \
-    --concurrency ${DIAG_C:-1} --profile 2>&1 | grep -v -i warn | cut -c1-200 | tail -60
+    --concurrency ${DIAG_C:-1} --cprofile 2>&1 | grep -v -i warn | cut -c1-200 | tail -60
   ;;
 spec)
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
