@@ -170,6 +170,7 @@ def test_seeded_sampling_is_reproducible_and_valid(engines, tok):
         ),
         ("qwen3-tiny", dataclasses.replace(NGRAM, num_draft_tokens=0), "at least 1"),
         ("qwen3-tiny", dataclasses.replace(NGRAM, ngram_min=3, ngram_max=2), "window sizes"),
+        ("qwen3-tiny", dataclasses.replace(NGRAM, disable_batch_size=-1), "0 \\(never\\)"),
     ],
 )
 def test_what_speculation_cannot_run_is_refused_at_start(model, spec, match):
@@ -189,3 +190,7 @@ def test_the_cli_default_k_follows_the_algorithm():
     assert k("--speculative-algorithm", "mtp") == 3  # MTP_DEFAULT_DRAFTS
     assert k("--speculative-algorithm", "mtp", "--speculative-num-draft-tokens", "1") == 1
     assert k("--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "0") == 0
+    cfg = engine_config(
+        build_parser().parse_args(["serve", "--speculative-disable-batch-size", "16"])
+    )
+    assert cfg.speculative.disable_batch_size == 16
