@@ -15,6 +15,9 @@
 #                on one GPU, 4096 in / 64 out, concurrency 1 and 16 (issue 21 item 4)   ~7 min
 #   PART=diag    which steps of the agent run eagerly and what a new prompt size compiles
 #                (scripts/dev_graph_miss.py: every Triton compile and dynamo recompile)   ~2 min
+#   PART=next    what the third session of 2026-12-07 left, in one call, most wanted first:
+#                the c1 prompt step's Python profile (diag), the agent's mtp K=3/4 and ngram
+#                after the no-rollback change (bf16, c1/8/64), then dsv4-mini8 K=4 overhead ~8 min
 #   run(command="PART=check bash scripts/gpu_session.sh", carry=[".whl"], timeout_s=600)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -86,6 +89,21 @@ spec)
   timeout -s INT -k 10 200 python3 benchmarks/spec_decode.py --model $MODEL --algorithm mtp \
     --draft-tokens 1,3 --concurrency 1,8 --max-tokens 64 \
     --out "$OUT/spec_mtp_dsv4_mini.json" 2>&1 | tail -4
+  ;;
+next)
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+  agent=.whl/dsv4-tiny-agent block=tests/data/dsv4-tiny-agent-mtp.safetensors
+  timeout -s INT -k 10 100 python3 scripts/dev_graph_miss.py $agent --concurrency 1 \
+    --cprofile 2>&1 | grep -v -i warn | cut -c1-170 | tail -50
+  timeout -s INT -k 10 150 python3 benchmarks/spec_decode.py --model $agent --load-format auto \
+    --dtype bfloat16 --algorithm mtp --draft-tokens 3,4 --draft-model-path $block --agent-prompts \
+    --concurrency 1,8,64 --max-tokens 64 --out "$OUT/spec_agent_mtp_bfloat16.json" 2>&1 | tail -7
+  timeout -s INT -k 10 90 python3 benchmarks/spec_decode.py --model $agent --load-format auto \
+    --dtype bfloat16 --algorithm ngram --concurrency 1,8,64 --max-tokens 64 --agent-prompts \
+    --out "$OUT/spec_agent_ngram_bfloat16.json" 2>&1 | tail -4
+  timeout -s INT -k 10 120 python3 benchmarks/spec_decode.py --model dsv4-mini8 --algorithm mtp \
+    --draft-tokens 4 --concurrency 1,8 --max-tokens 64 --out "$OUT/spec_mtp_dsv4_mini8_k4.json" \
+    2>&1 | tail -3
   ;;
 pd)
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
