@@ -80,8 +80,7 @@ def _logprobs(outs) -> list[float]:
 
 
 def _close(got, want) -> None:
-    """Logprobs of rows computed in chunks of other sizes (a verify step's rows, or its tokens
-    computed again after a rollback): the fp32 sums run in another order (measured: 3e-5 at
+    """Logprobs of rows computed in chunks of other sizes (a verify step's rows): the fp32 sums run in another order (measured: 3e-5 at
     most); a leaked draft moves the attention's inputs themselves (an entry pooled over a
     wrong token, a window row), and with them the logprobs by far more."""
     assert got == pytest.approx(want, abs=1e-4)
@@ -193,7 +192,7 @@ def test_mtp_drafts_give_the_plain_tokens(plain, concurrency: int, k: int) -> No
         _close(_logprobs(g), _logprobs(w))
     stats = spec.drafter.stats
     assert stats.num_drafts > 10
-    # chained: k drafts a step where a request decodes (fewer after a rollback: K + 1 rows)
+    # chained: k drafts a step where a request decodes (fewer near max_tokens)
     assert (
         stats.num_draft_tokens > stats.num_drafts
         if k > 1
@@ -245,8 +244,7 @@ def test_verify_steps_and_the_mtp_pass_through_the_graph_buffers(
 @pytest.mark.parametrize("algorithm,k", [("ngram", K), ("mtp", 3)])
 def test_deterministic_speculation_is_bitwise_plain(algorithm: str, k: int) -> None:
     """With --deterministic (batch-invariant mode: a row's bits do not depend on the rows beside
-    it) a verify step's rows, and the rows a rollback computes again, are computed as plain
-    decoding computes them: in bf16 with QAT on, the tokens and logprobs of speculative
+    it) a verify step's rows are computed as plain decoding computes them: in bf16 with QAT on, the tokens and logprobs of speculative
     decoding (planted n-gram drafts; the MTP block chained) are bitwise the plain ones."""
     src = resolve("dsv4-tiny", "dummy")
 

@@ -6,9 +6,9 @@ and the answer after the tool result, both repeating the form of the first task'
 drafts predict) give the
 plain answers at concurrency 1 and 8 while drafts are accepted and rejected (/metrics).
 
-DeepSeek-V4 keeps per-request compressor state that a rejected draft would corrupt: the runner
-puts it back (tests/spec/test_spec_dsv4.py checks that directly). Verify rows and the tokens a
-rollback computes again run in chunks of other sizes than plain decoding's, and the agent runs
+DeepSeek-V4 keeps per-request compressor state where a rejected draft writes rows: its slot
+keeps two windows so that nothing reads them (tests/spec/test_dsv4_rejected_close.py checks that
+directly). Verify rows run in chunks of other sizes than plain decoding's, and the agent runs
 its QAT roundings (FP8 cache rows, FP4 index keys), which turn an fp32 ulp into a rounding step
 now and then: logprobs agree within 2e-3 (measured: ~1e-3 on random weights), and a token may
 differ only where the plain answer's top two were that close (a near-tie; then the rest of that
