@@ -81,10 +81,8 @@ class SpecStats:
 
 def draft_room(req: Request, k: int, budget: int, max_model_len: int) -> int:
     """How many drafts req may verify this step: the bonus token is emitted too, so drafts + 1
-    within max_tokens and the context; within the step budget; and at most K + 1 rows for the
-    request with its known tokens (a verify graph holds K + 1 rows per request)."""
-    rows_left = k + 1 - req.num_uncomputed
-    return min(rows_left, budget, req.remaining_max_tokens - 1, max_model_len - 1 - req.num_tokens)
+    within max_tokens and the context; within the step budget; and at most K."""
+    return min(k, budget, req.remaining_max_tokens - 1, max_model_len - 1 - req.num_tokens)
 
 
 class NgramDrafter:

@@ -388,9 +388,7 @@ class Scheduler:
                 continue
             decoders -= req.num_uncomputed == 1
             n = min(req.num_uncomputed, budget)
-            # A prefill chunk: within what the decoding requests leave it. (Past its prompt, a
-            # preempted request computes its output again: decode work.)
-            prefill = n > 1 and req.num_computed < len(req.prompt_ids)
+            prefill = n > 1  # a prefill chunk: within what the decoding requests leave it
             if prefill:
                 n = min(n, prefill_left)
                 if n == 0:
@@ -406,10 +404,8 @@ class Scheduler:
                     break
             if req.status == Status.RUNNING:
                 draft = []
-                # Drafts follow a request's last known token(s)
-                decoding = n == req.num_uncomputed and not prefill
-                if decoding and speculate and budget - n > decoders:
-                    draft = self._draft(req, budget - n - decoders)
+                if req.num_uncomputed == 1 and speculate and budget - 1 > decoders:  # decodes
+                    draft = self._draft(req, budget - 1 - decoders)
                 batch.append(ScheduledRequest(req, n + len(draft), draft))
                 budget -= n + len(draft)
                 if prefill:

@@ -41,7 +41,6 @@ from dataclasses import dataclass
 import torch
 
 from kvrelay.cache.paging import row_index
-from kvrelay.cache.spec import SLOT
 from kvrelay.models.deepseek_v4.cache_spec import FP8 as _FP8
 from kvrelay.models.deepseek_v4.cache_spec import dsv4_cache_spec, dsv4_page_size
 from kvrelay.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
@@ -228,10 +227,6 @@ class DeepseekV4CachePool:
                 page = pages[(first + k + 1) // per_page - 1]
                 s.page_prev_kv[page] = state.closed_heads[0][k]
                 s.page_prev_score[page] = state.closed_heads[1][k]
-
-    def copy_slot(self, slot: int) -> list[torch.Tensor]:
-        """A copy of every per-request tensor's row of `slot`."""
-        return [self.tensors[k.name][slot].clone() for k in self.spec.of(SLOT)]
 
     def restore_slot(self, slot: int, page: int, end: int) -> None:
         """Fill `slot` with the compressor state after the last token of `page`, which ends at
