@@ -134,7 +134,8 @@ class DecodeDialer(TransferAgent):
             raise PeerRefused(P.Cause.CONNECT, f"cannot reach decode at {addr}: {e}") from None
         peer = Peer(conn)
         self._handshakes[conn] = peer
-        self.track(conn)
+        # Not tracked yet: a heartbeat before decode has authenticated us is refused (and hangs
+        # up). The handshake has its own deadline; heartbeats start once decode proved itself.
         try:
             conn.send(self.hello(peer.nonce))
             if not peer.ready.wait(self.cfg.connect_timeout_s):

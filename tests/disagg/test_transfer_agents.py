@@ -13,6 +13,7 @@ import pytest
 from engine_pair import Pair, pairs
 from engine_pair import dense_engine as _engine
 
+from kvrelay.disagg import protocol as P
 from kvrelay.disagg.protocol import Cause
 from kvrelay.engine.engine import Engine, generate
 from kvrelay.engine.messages import SamplingParams
@@ -209,8 +210,6 @@ def test_lost_decode_fails_prefill_requests_at_once(make_pair):
 
 
 def test_silent_peer_is_dropped_by_heartbeat_timeout(make_pair):
-    # 3 s, as in the test below: with 0.6 s a full run on 2 loaded cores once timed out inside
-    # the handshake (the pair's steps share the test's thread), a connect failure instead
     hb = dict(heartbeat_interval_s=0.1, heartbeat_timeout_s=3.0)
     pr = make_pair(_engine("prefill", **hb), _engine("decode", **hb))
     pr.d.agent.heartbeats_paused = True  # decode's host goes quiet; its socket stays open
@@ -221,9 +220,6 @@ def test_silent_peer_is_dropped_by_heartbeat_timeout(make_pair):
 
 
 def test_heartbeats_keep_an_idle_connection_alive(make_pair):
-    # A timeout with room for a loaded 2-core machine: 0.6 s once timed out in the full suite,
-    # and 1.5 s did during the first request's handshake with a second pytest beside the suite
-    # (the pair's steps run on the test's thread, so one slow step delays both sides).
     hb = dict(heartbeat_interval_s=0.1, heartbeat_timeout_s=3.0)
     pr = make_pair(_engine("prefill", **hb), _engine("decode", **hb))
     pr.submit("k1", _prompts()[1])
@@ -234,6 +230,28 @@ def test_heartbeats_keep_an_idle_connection_alive(make_pair):
     pr.submit("k2", _prompts()[1])
     pr.pump(lambda: pr.finished("decode", "k2") and pr.finished("prefill", "k2"))
     assert pr.p.agent.peers[pr.d.agent.addr].conn is conn
+    pr.assert_clean()
+
+
+def test_a_handshake_slower_than_the_heartbeat_interval_still_connects(make_pair):
+    # A loaded decode answers the hello late. Prefill must not ping a connection decode has not
+    # authenticated yet: decode refuses any frame but the handshake's there and hangs up (this
+    # failed every first request of a loaded pair whose handshake outlasted one interval).
+    hb = dict(heartbeat_interval_s=0.05, heartbeat_timeout_s=3.0)
+    pr = make_pair(_engine("prefill", **hb), _engine("decode", **hb))
+    answer = pr.d.agent._on_handshake
+
+    def slow(conn, msg):
+        if isinstance(msg, P.Hello):
+            time.sleep(0.5)  # ten heartbeat intervals
+        answer(conn, msg)
+
+    pr.d.agent._on_handshake = slow
+    pr.submit("s1", _prompts()[1])
+    pr.pump(lambda: pr.finished("decode", "s1") and pr.finished("prefill", "s1"))
+    for side in ("prefill", "decode"):
+        assert pr.last(side, "s1").error is None, pr.outs
+    assert pr.d.agent.bootstrap_counts.get("peer_unauthenticated", 0) == 0
     pr.assert_clean()
 
 
