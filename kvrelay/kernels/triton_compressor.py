@@ -37,7 +37,7 @@ def _gather(
     return v
 
 
-@_jit
+@_jit(varying=("t_n",))
 def _pool_windows_kernel(
     kv_ptr, score_ptr, pk_ptr, ps_ptr, prev_kv_ptr, prev_score_ptr,
     rows_ptr, pos_ptr, seq_ptr, start_ptr, slots_ptr, base_ptr,

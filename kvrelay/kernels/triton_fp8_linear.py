@@ -34,7 +34,7 @@ def fp8_linear_reference(
     return y.reshape(*x.shape[:-1], -1).to(x.dtype) if x.dim() == 2 else y.to(x.dtype)
 
 
-@_jit
+@_jit(varying=("M",))
 def _fp8_linear_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_om, stride_sn, k_split, splits,
     OUT_SPLITS: tl.constexpr, IEEE: tl.constexpr,

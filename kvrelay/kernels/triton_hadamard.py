@@ -32,7 +32,7 @@ def _rne_small(m):
     return (m + 8388608.0) - 8388608.0
 
 
-@_jit
+@_jit(varying=("rows",))
 def _hadamard_fp4_kernel(
     x_ptr, out_ptr, rows, inv_sqrt_n, amax_floor,
     N: tl.constexpr, LOG2N: tl.constexpr, BR: tl.constexpr, QB: tl.constexpr,

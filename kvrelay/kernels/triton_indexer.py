@@ -156,7 +156,7 @@ def _radix_pass(
     return prefix | (pick.to(tl.int64) << SHIFT), rem - above, at_pick, tl.max(ge, axis=0)
 
 
-@_jit
+@_jit(varying=("n_cols", "k", "stride_st", "stride_ot"))
 def _select_kernel(
     s_ptr,
     nvis_ptr,

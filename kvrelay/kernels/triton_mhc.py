@@ -29,7 +29,7 @@ GATES_BLOCK_T = 32
 PRE_MAX_TOKENS = 512  # hc_pre up to this many tokens per step, hc_gates beyond (measured)
 
 
-@_jit
+@_jit(varying=("T",))
 def _hc_mix_kernel(
     x_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, part_ptr, sq_ptr, T, D,
     MERGE: tl.constexpr, N: tl.constexpr, R: tl.constexpr, RP: tl.constexpr,
@@ -201,7 +201,7 @@ def hc_pre(
     return new, h, post, comb
 
 
-@_jit
+@_jit(varying=("T",))
 def _hc_gates_kernel(
     mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, hc_eps,
     N: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr,

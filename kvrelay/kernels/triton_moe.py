@@ -93,7 +93,7 @@ def default_config(n_assign: int, num_experts: int) -> MoeConfig:
 # -- grouping ------------------------------------------------------------------------------
 
 
-@_jit
+@_jit(varying=("n", "n_blocks"))
 def _group_kernel(
     ids_ptr, tok_ptr, blk_e_ptr, blk_rows_ptr, n, n_blocks,
     E: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr, CH: tl.constexpr,
@@ -464,7 +464,7 @@ def _act_kernel(
     _store_rows(act_ptr, rows, N_INTER, cols, act, rmask, cmask, False)
 
 
-@_jit
+@_jit(varying=("split_len",))
 def _down_kernel(
     act_ptr, w_ptr, s_ptr, gs_ptr, tok_ptr, blk_e_ptr, blk_rows_ptr, y_ptr,
     K, N, stride_we, stride_wn, stride_se, stride_sn, split_len,
@@ -519,7 +519,7 @@ def _down_kernel(
     _store_rows(y_ptr, a, N, offs_n, y, rmask, nmask, SWAP)
 
 
-@_jit
+@_jit(varying=("n_assign",))
 def _sum_kernel(
     part_ptr, out_ptr, n_assign, N, top_k,
     SPLITS: tl.constexpr, ODT: tl.constexpr, BN: tl.constexpr,

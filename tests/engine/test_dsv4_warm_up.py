@@ -13,7 +13,12 @@ from test_dsv4_engine import make_engine, prompt
 from kvrelay.engine.engine import generate
 from kvrelay.engine.messages import SamplingParams
 from kvrelay.engine.request import Request
-from kvrelay.models.deepseek_v4.warm_up import warm_up_shapes, warm_up_steps
+from kvrelay.kernels.triton_moe import default_config
+from kvrelay.models.deepseek_v4.warm_up import (
+    moe_config_token_counts,
+    warm_up_shapes,
+    warm_up_steps,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops: threads only contend
 
@@ -27,8 +32,11 @@ def _live_state(engine) -> dict[str, torch.Tensor]:
 
 def _run_padding_steps(engine) -> None:
     r = engine.runner
+    c = r.family.model_cfg
+    moe = moe_config_token_counts(c.n_routed_experts, c.num_experts_per_tok, 2048)
+    assert len(moe) > 1  # the tiny model's budget reaches more than one tile config
     with torch.inference_mode():
-        for step in warm_up_steps(r.page_size, 2048):  # from position 0, and a page in
+        for step in warm_up_steps(r.page_size, 2048, moe):  # from position 0, a page in, MoE
             r.family.forward(step, None)
 
 
@@ -65,3 +73,17 @@ def test_shapes_fit_the_step_budget_and_vary_in_tokens_and_sequences():
         totals = [sum(c) for c in shapes]
         assert len(set(totals)) >= 3 and 1 in totals  # static, dynamic, and the size-1 variant
         assert {len(c) for c in shapes} >= {1, 2}
+
+
+def test_one_moe_step_per_tile_config_the_budget_reaches():
+    # DeepSeek-V4's routing (256 experts, 6 each): a new config past 2, 5.3 and 10.7 rows per expert
+    assert moe_config_token_counts(256, 6, 8192) == [1, 513, 1366, 2731]
+    assert moe_config_token_counts(256, 6, 1000) == [1, 513]
+    for e, k, budget in ((256, 6, 8192), (8, 2, 2048), (16, 4, 64)):
+        counts = moe_config_token_counts(e, k, budget)
+        configs = {default_config(t * k, e) for t in range(1, budget + 1)}
+        assert {default_config(t * k, e) for t in counts} == configs  # every one reached
+        assert len(counts) == len(configs) and counts[0] == 1 and max(counts) <= budget
+        steps = warm_up_steps(16, budget, counts)
+        totals = {sum(s.counts) for s in steps}
+        assert set(counts) <= totals and all(t <= budget for t in totals)

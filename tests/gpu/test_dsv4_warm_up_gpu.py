@@ -1,9 +1,12 @@
-"""DeepSeek-V4's fast path compiles its fused glue before the engine reports ready
-(models/deepseek_v4/warm_up.py): the first live requests, of lengths and batch sizes the warm-up never
-ran, compile nothing (dynamo's compiled-graph counter stands still) and still equal the
-reference path."""
+"""DeepSeek-V4's fast path compiles its fused glue and its Triton kernels before the engine
+reports ready (models/deepseek_v4/warm_up.py): the first live requests, of lengths and batch
+sizes the warm-up never ran (token counts of each class Triton would specialise: 1, multiples of
+16, others; a prompt after a prefix hit), compile nothing (dynamo's compiled-graph counter and
+the Triton kernels' variants stand still) and still equal the reference path."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -19,20 +22,41 @@ pytestmark = pytest.mark.gpu
 def _first_requests(engine):
     g = torch.Generator().manual_seed(5)
     vocab = engine.runner.model_cfg.vocab_size
-    prompts = [torch.randint(0, vocab, (k,), generator=g).tolist() for k in (2, 37, 150, 301)]
+    lengths = (2, 37, 150, 301, 48, 64)
+    prompts = [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lengths]
+    prompts.append(prompts[2] + prompts[1][:23])  # a prefix hit, then 23 new tokens
     p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
-    outs = generate(engine, prompts, p)
+    outs = [generate(engine, prompts[:-1], p), generate(engine, prompts[-1:], p)]
+    outs = outs[0] + outs[1]
     return [[t for o in r for t in o.token_ids] for r in outs], [
         [lp for o in r for lp in o.logprobs or []] for r in outs
     ]
 
 
+def _triton_kernels() -> list:
+    from triton.runtime.jit import JITFunction
+
+    mods = [m for n, m in list(sys.modules.items()) if n.startswith("kvrelay.kernels.") and m]
+    return [f for m in mods for f in vars(m).values() if isinstance(f, JITFunction)]
+
+
+def _triton_variants() -> int:
+    """Kernels compiled (or loaded from Triton's disk cache) in this process, summed over every
+    Triton kernel of kvrelay.kernels: each new specialisation or config adds one."""
+    return sum(len(c[0]) for f in _triton_kernels() for c in f.device_caches.values())
+
+
 def test_first_requests_after_start_compile_nothing():
     torch._dynamo.reset()  # earlier tests' compiled variants must not stand in for the warm-up
+    for f in _triton_kernels():  # nor their Triton variants (reloaded from disk when used)
+        f.device_caches.clear()
     fast = _engine("triton", expert_format="nvfp4")
     compiled = counters["stats"]["unique_graphs"]
     assert compiled > 0, "the warm-up compiled nothing: is the fused glue still in use?"
+    variants = _triton_variants()
+    assert variants > 0, "no Triton kernel seen: has the kernels' module layout changed?"
     got = _first_requests(fast)
     assert counters["stats"]["unique_graphs"] == compiled, "a live step compiled"
+    assert _triton_variants() == variants, "a live step compiled a Triton kernel variant"
     want = _first_requests(_engine("reference", expert_format="nvfp4"))
     _same(got, want)

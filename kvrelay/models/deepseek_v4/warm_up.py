@@ -8,8 +8,12 @@ request is ever handed, so no live state is touched. Shapes: one sequence (dynam
 static), then other token and sequence counts (it recompiles them dynamic, which later steps of
 any size reuse), and a single token (sizes 0 and 1 are always specialised); the first two again
 from a page in (a prompt's later chunk or one after a prefix cache hit: on the H100 the first
-such step of a fresh engine cost ~0.85 s more, 2026-12-07, not yet pinned down); then the decode
-graphs of the two smallest batch buckets (and their verify graphs with every draft, speculating).
+such step of a fresh engine cost ~0.85 s more, 2026-12-07, not yet pinned down); one step per
+routed-expert tile config that the step's token budget reaches (each config is a Triton compile of
+its own: a 200-token prompt on the agent paid ~0.5 s for one after the warm-up, 2026-12-07, H200);
+then the decode graphs of the two smallest batch buckets (and their verify graphs with every
+draft, speculating). The Triton kernels' token and context counts are not specialised
+(kernels/triton_pointwise.py `_jit`), so no other count compiles anything new.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import time
 import torch
 
 from kvrelay.cache.paging import pages_for
+from kvrelay.kernels.triton_moe import default_config
 from kvrelay.models.deepseek_v4.step import Dsv4Step
 
 log = logging.getLogger("kvrelay.runner")
@@ -30,6 +35,18 @@ def warm_up_shapes(page_size: int, max_tokens: int) -> list[list[int]]:
     first = min(page_size + 3, max_tokens - 1)  # the second's total differs from it
     shapes = [[first], [2, min(2 * page_size + 7, max_tokens - 2)], [1, 1, 1], [1]]
     return [c for c in shapes if min(c) >= 1 and sum(c) <= max_tokens]
+
+
+def moe_config_token_counts(num_experts: int, top_k: int, max_tokens: int) -> list[int]:
+    """The smallest token count of each routed-expert tile config (triton_moe.default_config)
+    that a step of at most `max_tokens` tokens can pick."""
+    counts, seen = [], set()
+    for t in range(1, max_tokens + 1):
+        cfg = default_config(t * top_k, num_experts)
+        if cfg not in seen:
+            seen.add(cfg)
+            counts.append(t)
+    return counts
 
 
 def padding_step(counts: list[int], page_size: int, start: int = 0) -> Dsv4Step:
@@ -47,12 +64,15 @@ def padding_step(counts: list[int], page_size: int, start: int = 0) -> Dsv4Step:
     )
 
 
-def warm_up_steps(page_size: int, max_tokens: int) -> list[Dsv4Step]:
+def warm_up_steps(page_size: int, max_tokens: int, moe_counts: list[int] = ()) -> list[Dsv4Step]:
     """The padding steps of the warm-up: each shape from position 0, then the first two again
-    from a page in (chunks after earlier tokens take kernel variants of their own)."""
+    from a page in (chunks after earlier tokens take kernel variants of their own), then one
+    step of each token count in `moe_counts` that no shape before it has."""
     shapes = warm_up_shapes(page_size, max_tokens)
     first = [padding_step(c, page_size) for c in shapes]
-    return first + [padding_step(c, page_size, page_size) for c in shapes[:2]]
+    steps = first + [padding_step(c, page_size, page_size) for c in shapes[:2]]
+    had = {sum(c) for c in shapes}
+    return steps + [padding_step([t], page_size) for t in moe_counts if t not in had]
 
 
 @torch.inference_mode()
@@ -63,7 +83,9 @@ def warm_up(model, graphs) -> None:
         return
     t0 = time.monotonic()
     max_tokens = model.cfg.scheduler.max_num_batched_tokens
-    steps = warm_up_steps(model.page_size, max_tokens)
+    c = model.model_cfg
+    moe_counts = moe_config_token_counts(c.n_routed_experts, c.num_experts_per_tok, max_tokens)
+    steps = warm_up_steps(model.page_size, max_tokens, moe_counts)
     for step in steps:
         model.forward(step, None)
     if graphs is not None:
