@@ -145,7 +145,8 @@ outcome = re.compile(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
 try:
     with open(log_path, errors="replace") as f:
         for line in f:
-            ids = {norm(i) for i in re.findall(r"(tests/\S+::\S+)", line)}
+            # a parametrize id may hold spaces: "test_x[(1, 4)]"
+            ids = {norm(i) for i in re.findall(r"(tests/\S+::[^\s\[]+(?:\[[^\]]*\])?\S*)", line)}
             (done if outcome.search(line) else seen).update(ids)
 except OSError:
     pass
