@@ -18,6 +18,9 @@
 #   PART=next    what the third session of 2026-12-07 left, in one call, most wanted first:
 #                the c1 prompt step's Python profile (diag), the agent's mtp K=3/4 and ngram
 #                after the no-rollback change (bf16, c1/8/64), then dsv4-mini8 K=4 overhead ~8 min
+#   PART=verify  the quick tier alone, the DSV4 decode table (dsv4-mini where it fits, else
+#                dsv4-mini8) and, with a fresh Triton cache, every kernel compiled after the
+#                warm-up by the agent's c1/c8 prompts (expected: none)                    ~5 min
 #   run(command="PART=check bash scripts/gpu_session.sh", carry=[".whl"], timeout_s=600)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -104,6 +107,20 @@ next)
   timeout -s INT -k 10 120 python3 benchmarks/spec_decode.py --model dsv4-mini8 --algorithm mtp \
     --draft-tokens 4 --concurrency 1,8 --max-tokens 64 --out "$OUT/spec_mtp_dsv4_mini8_k4.json" \
     2>&1 | tail -3
+  ;;
+verify)
+  BUDGET_S=${BUDGET_S:-230} SKIP="decode dsv4 served" bash scripts/gpu_check.sh 2>&1 | tail -18
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+  mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  model=$([ "${mem:-0}" -gt 100000 ] && echo dsv4-mini || echo dsv4-mini8)
+  echo "== $model decode (context 4096)"
+  timeout -s INT -k 10 100 python3 benchmarks/dsv4_decode.py --model $model --batches 1,8,64 \
+    --contexts 4096 --reference-batches "" --prefill 4096 --out "$OUT/dsv4_decode_$model.json" \
+    2>&1 | tail -6
+  echo "== Triton compiles after the warm-up (fresh cache; expected none)"
+  TRITON_CACHE_DIR=$(mktemp -d) timeout -s INT -k 10 100 python3 scripts/dev_triton_compiles.py \
+    scripts/dev_graph_miss.py .whl/dsv4-tiny-agent --concurrency 1,8 2>&1 | grep -v -i warn \
+    | grep -A40 "graphs: True" | grep -v "(path" | cut -c1-200 | head -24
   ;;
 pd)
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
