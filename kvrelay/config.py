@@ -74,9 +74,10 @@ class SchedulerConfig:
 
 SPECULATIVE_ALGORITHMS = ("none", "ngram", "mtp")  # mtp: DeepSeek-V4's own MTP block
 # The CLI's K for mtp when none is given: chains pay more on the agent (tokens per verify step
-# 2.00 / 2.76 / 3.41 at K = 1 / 2 / 3, benchmarks/mtp_chain_acceptance.py), and K = 3's graphs
-# ran on the GPU (tests/gpu/test_dsv4_spec_graphs_gpu.py [mtp3], H100, 2026-12-07).
-MTP_DEFAULT_DRAFTS = 3
+# 2.00 / 2.74 / 3.44 / 3.94 at K = 1..4, benchmarks/mtp_chain_acceptance.py), and with graphs
+# on an H200 in bf16 K = 4 gave the lowest time per token at concurrency 1, 8 and 64 (2026-12-07,
+# benchmarks/spec_decode.py). 4 is also DeepSeek-V4's limit (its smallest compress ratio).
+MTP_DEFAULT_DRAFTS = 4
 
 
 @dataclass(frozen=True)

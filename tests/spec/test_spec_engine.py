@@ -187,7 +187,7 @@ def test_the_cli_default_k_follows_the_algorithm():
         ).speculative.num_draft_tokens
 
     assert k("--speculative-algorithm", "ngram") == 4
-    assert k("--speculative-algorithm", "mtp") == 3  # MTP_DEFAULT_DRAFTS
+    assert k("--speculative-algorithm", "mtp") == 4  # MTP_DEFAULT_DRAFTS
     assert k("--speculative-algorithm", "mtp", "--speculative-num-draft-tokens", "1") == 1
     assert k("--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "0") == 0
     cfg = engine_config(
