@@ -1,11 +1,14 @@
-"""The DeepSeek-V4 graph runner's buffers, buckets and padding with 'replay' = an eager forward
-on the static buffers (CPU has no CUDA graphs): what a captured graph would compute."""
+"""The graph runners' buffers, buckets and padding with 'replay' = an eager forward on the
+static buffers (CPU has no CUDA graphs): what a captured graph would compute. DeepSeek-V4's
+and the dense one's."""
 
 from __future__ import annotations
 
 import torch
 
+from kvrelay.cache.paging import pages_for
 from kvrelay.models.deepseek_v4.graphs import Captured, Dsv4GraphRunner
+from kvrelay.models.llama.graphs import CudaGraphRunner
 
 
 class EagerGraphs(Dsv4GraphRunner):
@@ -32,4 +35,29 @@ def use_eager_graphs(engine, max_bs: int = 8) -> EagerGraphs:
     spec = engine.cfg.speculative
     max_q = 1 if spec.algorithm == "none" else 1 + spec.num_draft_tokens
     engine.runner.graphs = EagerGraphs(family, max_bs, engine.runner.max_model_len, max_q)
+    return engine.runner.graphs
+
+
+class EagerDenseGraphs(CudaGraphRunner):
+    """The dense graph runner with 'replay' = an eager forward on its static buffers."""
+
+    def _warm_up(self, bs: int, q: int) -> None:
+        pass
+
+    def _capture(self, bs: int, q: int, profile):
+        return None, None
+
+    def _replay(self, bs: int, q: int) -> torch.Tensor:
+        return self._forward(bs, q, None)
+
+
+def use_eager_dense_graphs(engine, max_bs: int = 8) -> EagerDenseGraphs:
+    """Give a dense engine on the CPU the graph runner make_graphs would build on the GPU."""
+    family, spec = engine.runner.family, engine.cfg.speculative
+    max_q = 1 if spec.algorithm == "none" else 1 + spec.num_draft_tokens
+    engine.runner.graphs = EagerDenseGraphs(
+        family.model, family.pool.layers, family.backend, family.ops, max_bs,
+        pages_for(engine.runner.max_model_len, family.page_size), engine.runner.device,
+        max_q=max_q, page_size=family.page_size,
+    )  # fmt: skip
     return engine.runner.graphs

@@ -65,10 +65,13 @@ class DenseRunnable:
         )
 
     def reserve_bytes(self) -> int:
-        """Activations of a full prefill step, and the decode graphs' logits."""
+        """Activations of a full prefill step, and the graphs' logits (each bucket's decode
+        graph, and its verify graph of 1 + K rows per request when speculating)."""
         c, cfg = self.model_cfg, self.cfg
         act = cfg.scheduler.max_num_batched_tokens * (c.hidden_size * 16 + c.vocab_size * 4)
-        return act + 2 * cfg.max_cuda_graph_batch * c.vocab_size * 4
+        spec = cfg.speculative
+        rows = 1 if spec.algorithm == "none" else 2 + spec.num_draft_tokens
+        return act + 2 * cfg.max_cuda_graph_batch * rows * c.vocab_size * 4
 
     def build_pool(self, num_pages: int) -> KVPool:
         self.pool = KVPool(self.cache_spec(), num_pages, self.device)
@@ -97,11 +100,14 @@ class DenseRunnable:
         return logits, None if fb.prompt_rows is None else hidden[fb.prompt_rows]
 
     def make_graphs(self, max_batch: int, max_model_len: int):
-        """Decode graphs per batch bucket, captured now (single rank only)."""
+        """Decode graphs per batch bucket, and verify graphs of 1 + K rows per request when
+        speculating, captured now (single rank only)."""
         if self.tp.is_parallel:
             return None
         from kvrelay.models.llama.graphs import CudaGraphRunner
 
+        spec = self.cfg.speculative
+        max_q = 1 if spec.algorithm == "none" else 1 + spec.num_draft_tokens
         return CudaGraphRunner(
             self.model,
             self.pool.layers,
@@ -111,6 +117,8 @@ class DenseRunnable:
             pages_for(max_model_len, self.page_size),
             self.device,
             profiled=self.cfg.step_profile_every > 0,
+            max_q=max_q,
+            page_size=self.page_size,
         )
 
     def before_step(self, batch: list[Scheduled]) -> None:
