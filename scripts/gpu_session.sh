@@ -18,7 +18,8 @@
 #   PART=next    what the third session of 2026-12-07 left, in one call, most wanted first:
 #                the c1 prompt step's Python profile (diag), the agent's mtp K=3/4 and ngram
 #                after the no-rollback change (bf16, c1/8/64), then dsv4-mini8 K=4 overhead ~8 min
-#   PART=verify  the tests of b2dce94's kernels and warm-up, the DSV4 decode table (dsv4-mini where it fits, else
+#   PART=verify  the tests of b2dce94's kernels and warm-up and of the dense graphs (decode and
+#                verify, c748eb9), the DSV4 decode table (dsv4-mini where it fits, else
 #                dsv4-mini8) and, with a fresh Triton cache, every kernel compiled after the
 #                warm-up by the agent's c1/c8 prompts (expected: none)                    ~5 min
 #   run(command="PART=check bash scripts/gpu_session.sh", carry=[".whl"], timeout_s=600)
@@ -114,7 +115,8 @@ verify)
   timeout -s INT -k 10 150 python3 -m pytest -q -m gpu -n 4 --dist loadgroup -p no:cacheprovider \
     tests/gpu/test_dsv4_warm_up_gpu.py tests/gpu/test_dsv4_fast_gpu.py tests/gpu/test_triton_mhc.py \
     tests/gpu/test_triton_moe.py tests/gpu/test_triton_indexer.py tests/gpu/test_triton_compressor.py \
-    tests/gpu/test_triton_hadamard.py tests/gpu/test_triton_fp8_linear.py 2>&1 | tail -8
+    tests/gpu/test_triton_hadamard.py tests/gpu/test_triton_fp8_linear.py \
+    tests/gpu/test_engine_gpu.py tests/gpu/test_dense_spec_graphs_gpu.py 2>&1 | tail -8
   mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   model=$([ "${mem:-0}" -gt 100000 ] && echo dsv4-mini || echo dsv4-mini8)
   echo "== $model decode (context 4096)"
