@@ -77,7 +77,9 @@ class CudaGraphRunner:
         return self.model.compute_logits(hidden)
 
     def _warm_up(self, bs: int, q: int) -> None:
-        """One eager forward before capture: Triton compiles, cuBLAS picks kernels."""
+        """One eager forward before capture: Triton compiles, cuBLAS picks kernels. On padding
+        (every row in the dummy page), each sequence as long as its rows."""
+        self.seq_lens[:bs].fill_(q)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
