@@ -97,6 +97,12 @@ class SpeculativeConfig:
     # step's extra rows cost more than the tokens they win (benchmarks/spec_decode.py).
     disable_batch_size: int = 0
 
+    @property
+    def rows_per_request(self) -> int:
+        """A request's rows in a step that a verify graph must hold: its last token and K drafts
+        (1 without speculation)."""
+        return 1 if self.algorithm == "none" else 1 + self.num_draft_tokens
+
 
 @dataclass(frozen=True)
 class DisaggConfig:

@@ -31,9 +31,7 @@ class EagerGraphs(Dsv4GraphRunner):
 def use_eager_graphs(engine, max_bs: int = 8) -> EagerGraphs:
     """Give `engine` (a DeepSeek-V4 engine on the CPU) an eager graph runner, as make_graphs
     would on the GPU (verify steps of up to 1 + num_draft_tokens tokens per request)."""
-    family = engine.runner.family
-    spec = engine.cfg.speculative
-    max_q = 1 if spec.algorithm == "none" else 1 + spec.num_draft_tokens
+    family, max_q = engine.runner.family, engine.cfg.speculative.rows_per_request
     engine.runner.graphs = EagerGraphs(family, max_bs, engine.runner.max_model_len, max_q)
     return engine.runner.graphs
 
@@ -53,11 +51,10 @@ class EagerDenseGraphs(CudaGraphRunner):
 
 def use_eager_dense_graphs(engine, max_bs: int = 8) -> EagerDenseGraphs:
     """Give a dense engine on the CPU the graph runner make_graphs would build on the GPU."""
-    family, spec = engine.runner.family, engine.cfg.speculative
-    max_q = 1 if spec.algorithm == "none" else 1 + spec.num_draft_tokens
+    family = engine.runner.family
     engine.runner.graphs = EagerDenseGraphs(
         family.model, family.pool.layers, family.backend, family.ops, max_bs,
         pages_for(engine.runner.max_model_len, family.page_size), engine.runner.device,
-        max_q=max_q, page_size=family.page_size,
+        max_q=engine.cfg.speculative.rows_per_request, page_size=family.page_size,
     )  # fmt: skip
     return engine.runner.graphs

@@ -115,7 +115,7 @@ def _resolve_dummy(model: str) -> ModelSource:
         return ModelSource(model, "dummy", None, cfg, "", None)
     if fam.adopts_borrowed_tokenizer:
         # Served with the borrowed tokenizer, the model must cover its ids and stop on its EOS.
-        tok = gguf_reader.read_config(gguf_reader.open_gguf(g))
+        tok = _gguf_config(g)
         cfg = cfg.with_(
             vocab_size=max(cfg.vocab_size, tok.vocab_size),
             bos_token_id=tok.bos_token_id,

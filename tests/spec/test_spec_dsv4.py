@@ -80,9 +80,10 @@ def _logprobs(outs) -> list[float]:
 
 
 def _close(got, want) -> None:
-    """Logprobs of rows computed in chunks of other sizes (a verify step's rows): the fp32 sums run in another order (measured: 3e-5 at
-    most); a leaked draft moves the attention's inputs themselves (an entry pooled over a
-    wrong token, a window row), and with them the logprobs by far more."""
+    """Logprobs of rows computed in chunks of other sizes (a verify step's rows): the fp32 sums
+    run in another order (measured: 3e-5 at most); a leaked draft moves the attention's inputs
+    themselves (an entry pooled over a wrong token, a window row), and with them the logprobs
+    by far more."""
     assert got == pytest.approx(want, abs=1e-4)
 
 
@@ -244,8 +245,9 @@ def test_verify_steps_and_the_mtp_pass_through_the_graph_buffers(
 @pytest.mark.parametrize("algorithm,k", [("ngram", K), ("mtp", 3)])
 def test_deterministic_speculation_is_bitwise_plain(algorithm: str, k: int) -> None:
     """With --deterministic (batch-invariant mode: a row's bits do not depend on the rows beside
-    it) a verify step's rows are computed as plain decoding computes them: in bf16 with QAT on, the tokens and logprobs of speculative
-    decoding (planted n-gram drafts; the MTP block chained) are bitwise the plain ones."""
+    it) a verify step's rows are computed as plain decoding computes them: in bf16 with QAT on,
+    the tokens and logprobs of speculative decoding (planted n-gram drafts; the MTP block
+    chained) are bitwise the plain ones."""
     src = resolve("dsv4-tiny", "dummy")
 
     def engine(spec: SpeculativeConfig | None) -> Engine:

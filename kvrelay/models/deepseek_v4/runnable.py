@@ -166,8 +166,7 @@ class DeepseekV4Runnable:
             return None
         from kvrelay.models.deepseek_v4.graphs import Dsv4GraphRunner
 
-        spec = self.cfg.speculative
-        max_q = 1 if spec.algorithm == "none" else 1 + spec.num_draft_tokens
+        max_q = self.cfg.speculative.rows_per_request
         return Dsv4GraphRunner(self, max_batch, max_model_len, max_q)
 
     def before_step(self, batch: list[Scheduled]) -> None:

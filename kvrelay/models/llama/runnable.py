@@ -69,8 +69,8 @@ class DenseRunnable:
         graph, and its verify graph of 1 + K rows per request when speculating)."""
         c, cfg = self.model_cfg, self.cfg
         act = cfg.scheduler.max_num_batched_tokens * (c.hidden_size * 16 + c.vocab_size * 4)
-        spec = cfg.speculative
-        rows = 1 if spec.algorithm == "none" else 2 + spec.num_draft_tokens
+        q = cfg.speculative.rows_per_request
+        rows = 1 if q == 1 else 1 + q
         return act + 2 * cfg.max_cuda_graph_batch * rows * c.vocab_size * 4
 
     def build_pool(self, num_pages: int) -> KVPool:
@@ -106,8 +106,6 @@ class DenseRunnable:
             return None
         from kvrelay.models.llama.graphs import CudaGraphRunner
 
-        spec = self.cfg.speculative
-        max_q = 1 if spec.algorithm == "none" else 1 + spec.num_draft_tokens
         return CudaGraphRunner(
             self.model,
             self.pool.layers,
@@ -117,7 +115,7 @@ class DenseRunnable:
             pages_for(max_model_len, self.page_size),
             self.device,
             profiled=self.cfg.step_profile_every > 0,
-            max_q=max_q,
+            max_q=self.cfg.speculative.rows_per_request,
             page_size=self.page_size,
         )
 
