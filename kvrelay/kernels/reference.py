@@ -7,6 +7,8 @@ page * page_size + offset.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -28,13 +30,33 @@ def store_kv(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, idx, v.to(v_cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, page_row: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first seq_len tokens of one sequence's pages as [seq_len, Hkv, D]."""
-    page_size = cache.shape[1]
-    n_pages = -(-seq_len // page_size)
-    pages = page_row[:n_pages].to(torch.long)
-    # index_select, not fancy indexing: ~20x faster on CPU for a handful of pages.
-    return cache.index_select(0, pages).reshape(-1, *cache.shape[2:])[:seq_len]
+@dataclass
+class GatherPlan:
+    """One forward's per-sequence ranges, shared by every layer: the host copies of the lengths
+    and the slot index are built once per step, not once per layer and sequence."""
+
+    lens: list[int]  # each sequence's context length
+    cu: list[int]  # cu_seqlens_q on the host
+    slots: torch.Tensor  # [sum(lens)] long: each sequence's token slots, back to back
+    starts: list[int]  # where sequence b's rows begin in a gather by `slots`
+
+
+def gather_plan(
+    page_table: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, page_size: int
+) -> GatherPlan:
+    lens = seq_lens.tolist()  # host sync: fine for a reference
+    cu = cu_seqlens_q.tolist()
+    # A sequence with no new tokens (padding) reads nothing: its table row may be stale.
+    used = [n if cu[b + 1] > cu[b] else 0 for b, n in enumerate(lens)]
+    width = max(used, default=0)
+    pos = torch.arange(width, device=page_table.device)
+    table = page_table[: len(used), : -(-width // page_size)].to(torch.long)
+    all_slots = table[:, pos // page_size] * page_size + pos % page_size  # [B, width]
+    keep = pos[None, :] < torch.tensor(used, device=pos.device)[:, None]
+    starts = [0]
+    for n in used:
+        starts.append(starts[-1] + n)
+    return GatherPlan(lens, cu, all_slots[keep], starts)
 
 
 def paged_attention(
@@ -45,6 +67,7 @@ def paged_attention(
     seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     scale: float,
+    plan: GatherPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new query tokens over the paged cache.
 
@@ -52,21 +75,26 @@ def paged_attention(
     each sequence's whole context including its new tokens, whose K/V are already stored.
     Query i of a sequence with q_len new tokens sits at position seq_len - q_len + i.
     Query head h reads kv head h // (Hq // Hkv). Softmax in float32; output in q's dtype.
+    `plan` (from `gather_plan`) may be shared by every layer of one forward.
     """
+    if plan is None:
+        plan = gather_plan(page_table, seq_lens, cu_seqlens_q, k_cache.shape[1])
     out = torch.zeros_like(q)  # rows past cu_seqlens_q[-1] (padding) stay zero
-    lens = seq_lens.tolist()  # host sync: fine for a reference
-    cu = cu_seqlens_q.tolist()
-    for b, seq_len in enumerate(lens):
+    # Every sequence's context in one gather per cache, [H, sum(lens), D] float32 as HF's SDPA
+    # path sees it: each sequence's slice below has the values and strides a gather of its own
+    # pages had (so the same SDPA kernel gives the same bits), at one gather per layer.
+    k_all = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, plan.slots).transpose(0, 1).float()
+    v_all = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, plan.slots).transpose(0, 1).float()
+    q_all = q.transpose(0, 1).float()
+    cu, starts = plan.cu, plan.starts
+    for b, seq_len in enumerate(plan.lens):
         start, end = cu[b], cu[b + 1]
         q_len = end - start
         if q_len == 0:
             continue
-        k = gather_kv(k_cache, page_table[b], seq_len)
-        v = gather_kv(v_cache, page_table[b], seq_len)
-        # [1, H, L, D] float32, as HF's SDPA path sees it.
-        qs = q[start:end].transpose(0, 1).unsqueeze(0).float()
-        ks = k.transpose(0, 1).unsqueeze(0).float()
-        vs = v.transpose(0, 1).unsqueeze(0).float()
+        qs = q_all[None, :, start:end]  # [1, H, L, D]
+        ks = k_all[None, :, starts[b] : starts[b + 1]]
+        vs = v_all[None, :, starts[b] : starts[b + 1]]
         # Same SDPA calls HF makes (is_causal for a fresh prefill, no mask for one token),
         # so greedy outputs match it bit for bit; an explicit mask only for chunks.
         if q_len == seq_len:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from kvrelay.kernels.reference import GatherPlan
 
 
 @dataclass
@@ -18,6 +21,8 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [B + 1] int32
     max_q_len: int
     is_decode: bool  # every sequence has exactly one new token
+    # The torch path's per-step gather plan: built by the first layer, shared by the rest.
+    gather: GatherPlan | None = field(default=None, repr=False, compare=False)
 
 
 class AttentionBackend(Protocol):
@@ -40,9 +45,14 @@ class TorchAttention:
         from kvrelay.kernels import reference
 
         reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.gather is None:
+            meta.gather = reference.gather_plan(
+                meta.page_table, meta.seq_lens, meta.cu_seqlens_q, k_cache.shape[1]
+            )
         return reference.paged_attention(
-            q, k_cache, v_cache, meta.page_table, meta.seq_lens, meta.cu_seqlens_q, scale
-        )
+            q, k_cache, v_cache, meta.page_table, meta.seq_lens, meta.cu_seqlens_q, scale,
+            meta.gather,
+        )  # fmt: skip
 
 
 class TritonAttention:

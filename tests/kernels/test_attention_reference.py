@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvrelay.kernels.reference import paged_attention, store_kv
+from kvrelay.kernels.reference import gather_plan, paged_attention, store_kv
 
 
 def _paged_batch(seq_lens, q_lens, hq, hkv, d, page_size, gen, dtype=torch.float32):
@@ -111,6 +111,29 @@ def test_padding_rows_and_empty_sequences():
     ref = _naive(q[:5], ks[1:], vs[1:], [5], [5], 0.25)
     torch.testing.assert_close(out[:5].double(), ref, atol=1e-5, rtol=1e-5)
     assert (out[5:] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_batch_with_one_shared_plan_equals_each_sequence_alone_bitwise(dtype):
+    # The engine builds one gather plan per forward and every layer reuses it; a sequence's
+    # output must be the bits it gets alone (each SDPA call sees the same values and strides).
+    # The padding entry (no new tokens) has a garbage table row: the plan must not read it.
+    gen = torch.Generator().manual_seed(5)
+    seq_lens, q_lens = [70, 33, 9, 41, 16], [70, 1, 0, 5, 1]
+    q, kc, vc, pt, seq, cu, _, _ = _paged_batch(seq_lens, q_lens, 6, 2, 32, 16, gen, dtype)
+    pt[2] = 10**6
+    plan = gather_plan(pt, seq, cu, kc.shape[1])
+    batched = [paged_attention(q, kc, vc, pt, seq, cu, 0.2, plan) for _ in range(2)]
+    assert torch.equal(batched[0], batched[1])  # the plan is reusable: a second layer's call
+    c = cu.tolist()
+    for b, ql in enumerate(q_lens):
+        if ql == 0:
+            continue
+        alone = paged_attention(
+            q[c[b] : c[b + 1]], kc, vc, pt[b : b + 1], seq[b : b + 1],
+            torch.tensor([0, ql], dtype=torch.int32), 0.2,
+        )  # fmt: skip
+        assert torch.equal(batched[0][c[b] : c[b + 1]], alone), b
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
