@@ -33,10 +33,15 @@ $(VENV)/.nixl: $(VENV)/.installed
 	-$(PY) -m pip install -q --no-deps "nixl-cu13==1.5.1"
 	@touch $@
 
-# Dependencies point down first (pyproject's import-linter contract, a few seconds), then the tests.
+# Dependencies point down first (pyproject's import-linter contract, a few seconds), then the tests
+# in one pytest-xdist worker per core (at most 4), whole files per worker, and one torch thread in
+# every process (the workers and the servers they start): on 2 cores, two 2-thread processes would
+# fight over both cores, while two 1-thread workers keep both busy (serial with 2 threads, ~1.3
+# cores were busy on average). TEST_JOBS=0 runs serially.
+TEST_JOBS ?= $(shell python3 -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
 test: setup $(VENV)/.nixl
 	$(VENV)/bin/lint-imports --no-cache
-	$(VENV)/bin/pytest -q
+	OMP_NUM_THREADS=1 KVRELAY_CPU_THREADS=1 $(VENV)/bin/pytest -q -n $(TEST_JOBS) --dist loadfile
 
 lint: setup
 	$(VENV)/bin/ruff check kvrelay tests
