@@ -116,7 +116,8 @@ verify)
     tests/gpu/test_dsv4_warm_up_gpu.py tests/gpu/test_dsv4_fast_gpu.py tests/gpu/test_triton_mhc.py \
     tests/gpu/test_triton_moe.py tests/gpu/test_triton_indexer.py tests/gpu/test_triton_compressor.py \
     tests/gpu/test_triton_hadamard.py tests/gpu/test_triton_fp8_linear.py \
-    tests/gpu/test_engine_gpu.py tests/gpu/test_dense_spec_graphs_gpu.py 2>&1 | tail -8
+    tests/gpu/test_engine_gpu.py tests/gpu/test_dense_spec_graphs_gpu.py \
+    tests/gpu/test_triton_invariant_linear.py 2>&1 | tail -8
   mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   model=$([ "${mem:-0}" -gt 100000 ] && echo dsv4-mini || echo dsv4-mini8)
   echo "== $model decode (context 4096)"
