@@ -18,10 +18,11 @@
 #   PART=next    what the third session of 2026-12-07 left, in one call, most wanted first:
 #                the c1 prompt step's Python profile (diag), the agent's mtp K=3/4 and ngram
 #                after the no-rollback change (bf16, c1/8/64), then dsv4-mini8 K=4 overhead ~8 min
-#   PART=verify  the tests of b2dce94's kernels and warm-up and of the dense graphs (decode and
-#                verify, c748eb9), the DSV4 decode table (dsv4-mini where it fits, else
-#                dsv4-mini8) and, with a fresh Triton cache, every kernel compiled after the
-#                warm-up by the agent's c1/c8 prompts (expected: none)                    ~5 min
+#   PART=verify  the tests of b2dce94's kernels and warm-up, of the dense graphs (decode and
+#                verify, c748eb9) and of the batch-invariant linear (98b47e8), the DSV4 decode
+#                table (dsv4-mini where it fits, else dsv4-mini8) and, with a fresh Triton
+#                cache, every kernel compiled after the warm-up by the agent's c1/c8 prompts
+#                (expected: none)                                                          ~5 min
 #   run(command="PART=check bash scripts/gpu_session.sh", carry=[".whl"], timeout_s=600)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}

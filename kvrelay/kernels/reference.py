@@ -7,6 +7,7 @@ page * page_size + offset.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -53,10 +54,7 @@ def gather_plan(
     table = page_table[: len(used), : -(-width // page_size)].to(torch.long)
     all_slots = table[:, pos // page_size] * page_size + pos % page_size  # [B, width]
     keep = pos[None, :] < torch.tensor(used, device=pos.device)[:, None]
-    starts = [0]
-    for n in used:
-        starts.append(starts[-1] + n)
-    return GatherPlan(lens, cu, all_slots[keep], starts)
+    return GatherPlan(lens, cu, all_slots[keep], [0, *itertools.accumulate(used)])
 
 
 def paged_attention(

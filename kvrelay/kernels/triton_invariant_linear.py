@@ -75,14 +75,15 @@ def invariant_linear(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    b = None if bias is None else bias.contiguous()  # the kernel reads it at unit stride
     m = x2.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M))
         _invariant_linear_kernel[grid](
-            x2, w, bias if bias is not None else w, out, m, n, k,
+            x2, w, w if b is None else b, out, m, n, k,
             x2.stride(0), w.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+            HAS_BIAS=b is not None, IEEE=x.dtype == torch.float32,
             BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_M=BLOCK_M, num_warps=4,
         )  # fmt: skip
     return out.view(*x.shape[:-1], n)

@@ -3,8 +3,9 @@
 Past 100 concurrent requests the router once answered its own /health behind the traffic, the
 launcher took it for dead and restarted it with every request in flight: 0 of 200 succeeded.
 Here 256 clients keep a request each in flight for 30 s, three times the launcher's no-answer
-threshold (lowered to 10 s here, from 30): every request must succeed, nothing may restart, and the router's /health and /ready must answer throughout (their latency is
-reported, and bounded by the launcher's own probe timeout). Then one stack with a slow decode
+threshold (lowered to 10 s here, from 30): every request must succeed, nothing may restart, and
+the router's /health and /ready must answer throughout (their latency is reported, and bounded by
+the launcher's own probe timeout). Then one stack with a slow decode
 (every step sleeps) and a router limit below the load: each request either succeeds or gets the
 router's 503 with Retry-After; none hangs, none fails any other way.
 """
