@@ -6,7 +6,8 @@
 #                kernel time by component) and the aten ops that launch kernels by source
 #                line (benchmarks/dsv4_launch_sources.py)                                ~6 min
 #   PART=compare llama-1b decode at an older commit (OLD, default 2907d6a) and here, back to
-#                back (is a step change the code or the machine?)                        ~1 min
+#                back (is a step change the code or the machine?), then here with and
+#                without --deterministic at batch 1/16/64                                ~3 min
 #   PART=served  scripts/gpu_served_latency.sh (--max-decode-slowdown off vs on)          ~6 min
 #   PART=spec    speculative decoding on the agent (real weights, its trained MTP block; carry
 #                it: WITH_AGENT=1 scripts/gpu_wheels.sh) in float32 and bf16, mtp K=1/3 and
@@ -19,7 +20,8 @@
 #                the c1 prompt step's Python profile (diag), the agent's mtp K=3/4 and ngram
 #                after the no-rollback change (bf16, c1/8/64), then dsv4-mini8 K=4 overhead ~8 min
 #   PART=verify  the tests of b2dce94's kernels and warm-up, of the dense graphs (decode and
-#                verify, c748eb9) and of the batch-invariant linear (98b47e8), the DSV4 decode
+#                verify, c748eb9), of the batch-invariant linear (98b47e8) and attention and of
+#                --deterministic on the GPU (dense, graphs), the DSV4 decode
 #                table (dsv4-mini where it fits, else dsv4-mini8) and, with a fresh Triton
 #                cache, every kernel compiled after the warm-up by the agent's c1/c8 prompts
 #                (expected: none)                                                          ~5 min
@@ -67,6 +69,12 @@ compare)
   else
     echo "no worktree of $old (no git objects here?)"
   fi
+  echo "== llama-1b decode step with and without --deterministic (issue 22: target <= 20% slower)"
+  for det in "" --deterministic; do
+    timeout -s INT -k 10 120 python3 benchmarks/decode_throughput.py --batch-sizes 1,16,64 \
+      --steps 30 --skip-hf $det --out "$OUT/decode_llama1b${det:+_deterministic}.json" 2>&1 \
+      | grep -E "^ +(1|16|64) True"
+  done
   ;;
 served)
   bash scripts/gpu_served_latency.sh
@@ -113,12 +121,17 @@ next)
 verify)
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
   echo "== the changed kernels' tests, the warm-up and the fast path (quick tier)"
-  timeout -s INT -k 10 150 python3 -m pytest -q -m gpu -n 4 --dist loadgroup -p no:cacheprovider \
+  timeout -s INT -k 10 200 python3 -m pytest -q -m gpu -n 4 --dist loadgroup -p no:cacheprovider \
     tests/gpu/test_dsv4_warm_up_gpu.py tests/gpu/test_dsv4_fast_gpu.py tests/gpu/test_triton_mhc.py \
     tests/gpu/test_triton_moe.py tests/gpu/test_triton_indexer.py tests/gpu/test_triton_compressor.py \
     tests/gpu/test_triton_hadamard.py tests/gpu/test_triton_fp8_linear.py \
     tests/gpu/test_engine_gpu.py tests/gpu/test_dense_spec_graphs_gpu.py \
-    tests/gpu/test_triton_invariant_linear.py 2>&1 | tail -8
+    tests/gpu/test_triton_invariant_linear.py tests/gpu/test_triton_invariant_attention.py \
+    tests/gpu/test_deterministic_gpu.py 2>&1 | tail -12
+  echo "== the default kernels beside the invariant ones (reported, not asserted)"
+  timeout -s INT -k 10 60 python3 -m pytest -q -s -p no:cacheprovider -k "same_bits or 64_bitwise" \
+    tests/gpu/test_triton_invariant_attention.py tests/gpu/test_triton_invariant_linear.py \
+    tests/gpu/test_deterministic_gpu.py 2>&1 | grep -E "gave the row|without the mode|passed|failed"
   mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   model=$([ "${mem:-0}" -gt 100000 ] && echo dsv4-mini || echo dsv4-mini8)
   echo "== $model decode (context 4096)"

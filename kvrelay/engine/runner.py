@@ -63,7 +63,7 @@ class ModelRunner:
         family_cls = fam.load("runnable")
         drafter.check_supported(cfg.speculative, fam.name, family_cls)  # before any weight is read
         family_cls.check(cfg, src.config, self.device)
-        batch_invariant.check_supported(cfg, self.device)  # refuses what it cannot make invariant
+        batch_invariant.check_supported(cfg, self.device, fam.name)  # refuses what is not invariant
         # Tensor parallel: torch.distributed is already initialised by whoever started the rank.
         self.tp = TPGroup.from_default(cfg.tensor_parallel_size)
         self.model_cfg = src.config
@@ -86,9 +86,10 @@ class ModelRunner:
         self.family.prepare_kernels()
         self._kinds: list[CacheKind] | None = None  # transfer_layout(), for PD decode installs
         self.graphs = None
-        if self.device.type == "cuda" and cfg.cuda_graphs:
-            self.graphs = self.family.make_graphs(cfg.max_cuda_graph_batch, self.max_model_len)
-        self.family.warm_up(self.graphs)
+        with batch_invariant.scope(cfg.deterministic):  # graphs capture the invariant ops
+            if self.device.type == "cuda" and cfg.cuda_graphs:
+                self.graphs = self.family.make_graphs(cfg.max_cuda_graph_batch, self.max_model_len)
+            self.family.warm_up(self.graphs)
         log.info(
             "runner ready %s device=%s dtype=%s pages=%d page_size=%d max_model_len=%d "
             "tp_rank=%d/%d cuda_graphs=%s",

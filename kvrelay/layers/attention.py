@@ -81,9 +81,27 @@ class TritonAttention:
         )
 
 
+class InvariantTritonAttention:
+    """GPU `--deterministic`: one kernel for decode and prefill rows whose every row has the
+    same bits whatever else is in the batch (kernels/triton_invariant_attention.py)."""
+
+    def __init__(self) -> None:
+        from kvrelay.kernels import triton_invariant_attention
+
+        self._k = triton_invariant_attention
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        self._k.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._k.invariant_paged_attention(
+            q, k_cache, v_cache, meta.page_table, meta.seq_lens, meta.cu_seqlens_q, scale
+        )
+
+
 def make_backend(name: str) -> AttentionBackend:
     if name == "torch":
         return TorchAttention()
     if name == "triton":
         return TritonAttention()
-    raise ValueError(f"unknown attention backend {name!r} (torch | triton)")
+    if name == "invariant":
+        return InvariantTritonAttention()
+    raise ValueError(f"unknown attention backend {name!r} (torch | triton | invariant)")

@@ -16,6 +16,11 @@ that computes a row alike at every position of its block, else one row per call.
 below cuts token-major ops into blocks of exactly ROWS rows (the last one zero-padded); outside
 it nothing changes. Attention needs more than blocking (its reduction length follows the batch):
 kvrelay/layers/batch_invariant_attention.py.
+
+On the GPU (dense models) the matmul handlers call a fixed-tile Triton kernel instead of blocking
+(kernels/triton_invariant_linear.py: no probe, nothing but a launch, so CUDA graphs capture it)
+and attention is a Triton kernel of its own (kernels/triton_invariant_attention.py); the dense
+forward's other GPU ops are Triton kernels of one program per row, invariant as they are.
 """
 
 from __future__ import annotations
@@ -101,7 +106,18 @@ def _operand_key(*ts) -> tuple:
     )
 
 
+def _gpu_linear(x, w, bias=None):
+    """On the GPU every matmul of rows by a weight runs the fixed-tile Triton kernel (cuBLAS
+    picks tiles and split-K from M): no blocking, no probe, graph capture takes it."""
+    from kvrelay.kernels.triton_invariant_linear import invariant_linear
+
+    return invariant_linear(x, w, bias)
+
+
 def _linear(x, w, bias=None):
+    if x.is_cuda:
+        return _gpu_linear(x, w, bias)
+
     def lanes(b):  # the block's rows on the GEMM's other side: [N, ROWS], transposed back
         out = torch.mm(w, b.t()).t().contiguous()
         return out if bias is None else out + bias
@@ -110,6 +126,8 @@ def _linear(x, w, bias=None):
 
 
 def _mm(a, b):
+    if a.is_cuda:
+        return _gpu_linear(a, b.t())
     return in_row_blocks(
         lambda blk: torch.mm(blk, b),
         a,
@@ -126,6 +144,8 @@ def _addmm(bias, a, b, *, beta=1, alpha=1):
 def _matmul(a, b):
     if b.dim() != 2 or a.dim() < 2:  # batched: callers keep those shapes fixed themselves
         return NotImplemented
+    if a.is_cuda:
+        return _gpu_linear(a, b.t())
     return _rows_of(
         a,
         lambda blk: torch.mm(blk, b),
@@ -277,24 +297,31 @@ def scope(on: bool):
         yield
 
 
-def check_supported(cfg, device: torch.device | str) -> None:
+def check_supported(cfg, device: torch.device | str, family: str = "llama") -> None:
     """Refuse, at startup, what `--deterministic` cannot make invariant yet (never run the
-    non-invariant path silently)."""
+    non-invariant path silently). `family`: the model family's registry name."""
     if not cfg.deterministic:
         return
-    if torch.device(device).type != "cpu":
-        raise ValueError(
-            "--deterministic runs on the CPU only, so far: the Triton kernels (split-K decode "
-            "attention, varlen attention, sparse MQA, indexer, fused MoE, fused norms) and the "
-            "CUDA-graph runners have no batch-invariant variant yet (--device cpu runs it)"
-        )
-    if cfg.attention_backend in ("triton", "reference"):
-        raise ValueError(
-            f"--deterministic needs the torch attention backend, not {cfg.attention_backend!r} "
-            "(the reference path attends per sequence with widths that follow the chunking)"
-        )
     if cfg.tensor_parallel_size > 1:
         raise ValueError(
             "--deterministic with tensor parallel is not supported yet: an all-reduce sums a "
             "row in an order that follows the message size, hence the batch"
+        )
+    if torch.device(device).type != "cpu":
+        if family != "llama":
+            raise ValueError(
+                f"--deterministic on the GPU covers dense (Llama-family) models so far, not "
+                f"{family}: its Triton kernels (sparse MQA, indexer, fused MoE, mHC) have no "
+                "batch-invariant variant yet (--device cpu runs it)"
+            )
+        if cfg.attention_backend not in ("auto", "triton"):
+            raise ValueError(
+                f"--deterministic on the GPU runs the Triton path, not the {cfg.attention_backend!r}"
+                " attention backend (its torch ops are made invariant on the CPU only)"
+            )
+        return
+    if cfg.attention_backend in ("triton", "reference"):
+        raise ValueError(
+            f"--deterministic needs the torch attention backend, not {cfg.attention_backend!r} "
+            "(the reference path attends per sequence with widths that follow the chunking)"
         )

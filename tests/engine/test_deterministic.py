@@ -120,15 +120,20 @@ def test_the_check_can_fail_on_any_cpu(monkeypatch) -> None:
 
 
 def test_refuses_what_it_cannot_make_invariant() -> None:
-    """Never the non-invariant path silently: a GPU, the Triton or per-sequence reference
-    attention, or tensor parallel with --deterministic is refused at startup."""
+    """Never the non-invariant path silently: DeepSeek-V4 or torch ops on a GPU, the Triton or
+    per-sequence reference attention on the CPU, or tensor parallel with --deterministic is
+    refused at startup."""
     from kvrelay.layers.batch_invariant import check_supported
 
     on = EngineConfig(deterministic=True)
     check_supported(on, torch.device("cpu"))
-    check_supported(EngineConfig(), torch.device("cuda"))  # off: nothing to refuse
-    with pytest.raises(ValueError, match="CPU only"):
-        check_supported(on, torch.device("cuda"))
+    check_supported(EngineConfig(), torch.device("cuda"), "deepseek_v4")  # off: nothing to refuse
+    check_supported(on, torch.device("cuda"), "llama")  # dense on the GPU: the Triton kernels
+    with pytest.raises(ValueError, match="dense"):
+        check_supported(on, torch.device("cuda"), "deepseek_v4")
+    for backend in ("torch", "reference"):
+        with pytest.raises(ValueError, match="Triton path"):
+            check_supported(EngineConfig(deterministic=True, attention_backend=backend), "cuda")
     for backend in ("triton", "reference"):
         with pytest.raises(ValueError, match="torch attention backend"):
             check_supported(EngineConfig(deterministic=True, attention_backend=backend), "cpu")

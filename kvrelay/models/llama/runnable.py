@@ -39,8 +39,9 @@ class DenseRunnable:
             backend = "torch"
         self.backend_name = backend
         self.backend = make_backend(backend)
-        if cfg.deterministic:
-            self.backend = BatchInvariantAttention()
+        if cfg.deterministic:  # batch-invariant: the GPU's Triton kernel, the CPU's torch schedule
+            cuda = device.type == "cuda"
+            self.backend = make_backend("invariant") if cuda else BatchInvariantAttention()
         # The Triton backend also brings the fused per-token kernels; "torch" is the reference.
         self.ops = triton_ops() if backend == "triton" else TORCH_OPS
         self.pool: KVPool | None = None
