@@ -38,7 +38,7 @@ def _invariant_attention_kernel(
 ):  # fmt: skip
     row, kv_head = tl.program_id(0), tl.program_id(1)
     # The row's sequence: how many sequences end at or before it (cu_seqlens_q is sorted).
-    seq = 0
+    seq = row * 0  # an int32 scalar, as the loop makes it
     for b in range(1, num_seqs + 1):
         seq += (tl.load(cu_ptr + b) <= row).to(tl.int32)
     if seq < num_seqs:  # rows past cu_seqlens_q[-1] are padding: their output stays zero
