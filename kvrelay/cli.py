@@ -574,7 +574,9 @@ def _transfer_backend(name: str) -> str:
     return name
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; `command` "serve" or "router" (what the launcher and the tests start,
+    ~80 times a test run) leaves out the client commands, whose imports cost ~0.15 s of CPU."""
     p = argparse.ArgumentParser(
         prog="kvrelay",
         description="LLM serving engine",
@@ -651,6 +653,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_http_args(r, rc.max_body_bytes, " (the router sends it to the servers too)")
     add_pd_secret_args(r)
     r.set_defaults(func=cmd_router)
+    if command in ("serve", "router"):
+        return p
     # Imported here, not atop: a spawned engine process imports this module (its parent's
     # __main__) and needs none of them (httpx, the load generator: ~0.2 s of CPU per engine).
     from kvrelay.bench.cli import add_bench_parser
@@ -664,7 +668,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     return args.func(args)
 
 
