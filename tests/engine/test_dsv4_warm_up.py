@@ -16,6 +16,7 @@ from kvrelay.engine.request import Request
 from kvrelay.kernels.triton_moe import default_config
 from kvrelay.models.deepseek_v4.warm_up import (
     moe_config_token_counts,
+    variant_token_counts,
     warm_up_shapes,
     warm_up_steps,
 )
@@ -87,3 +88,17 @@ def test_one_moe_step_per_tile_config_the_budget_reaches():
         steps = warm_up_steps(16, budget, counts)
         totals = {sum(s.counts) for s in steps}
         assert set(counts) <= totals and all(t <= budget for t in totals)
+
+
+def test_a_step_past_the_mhc_pre_limit_when_no_expert_config_reaches_it():
+    """The mHC gates kernel serves steps of more than hc_pre_max_tokens tokens: the warm-up has
+    one such step wherever the budget allows one, from an expert config's count or its own."""
+    from types import SimpleNamespace
+
+    agent = SimpleNamespace(n_routed_experts=8, num_experts_per_tok=2)  # configs switch early
+    flash = SimpleNamespace(n_routed_experts=256, num_experts_per_tok=6)  # 513 tokens is one
+    assert max(moe_config_token_counts(8, 2, 2048)) <= 512
+    assert variant_token_counts(agent, 512, 2048)[-1] == 513
+    assert variant_token_counts(agent, 512, 512) == moe_config_token_counts(8, 2, 512)
+    assert variant_token_counts(flash, 512, 8192) == [1, 513, 1366, 2731]
+    assert variant_token_counts(agent, 0, 2048) == moe_config_token_counts(8, 2, 2048)  # no hc_pre

@@ -10,7 +10,8 @@ any size reuse), and a single token (sizes 0 and 1 are always specialised); the 
 from a page in (a prompt's later chunk or one after a prefix cache hit: on the H100 the first
 such step of a fresh engine cost ~0.85 s more, 2026-12-07, not yet pinned down); one step per
 routed-expert tile config that the step's token budget reaches (each config is a Triton compile of
-its own: a 200-token prompt on the agent paid ~0.5 s for one after the warm-up, 2026-12-07, H200);
+its own: a 200-token prompt on the agent paid ~0.5 s for one after the warm-up, 2026-12-07, H200)
+and one past the mHC pre kernel's token limit;
 then the decode graphs of the two smallest batch buckets (and their verify graphs with every
 draft, speculating). The Triton kernels' token and context counts are not specialised
 (kernels/triton_pointwise.py `_jit`), so no other count compiles anything new.
@@ -49,6 +50,20 @@ def moe_config_token_counts(num_experts: int, top_k: int, max_tokens: int) -> li
     return counts
 
 
+def variant_token_counts(model_cfg, hc_pre_max_tokens: int, max_tokens: int) -> list[int]:
+    """Step token counts that pick kernels of their own: one per routed-expert tile config, and
+    the first past `hc_pre_max_tokens`, where the mHC pre side leaves the fused kernel for the
+    gates kernel (never compiled by the shapes otherwise when the experts' configs all switch
+    below it: the agent's first 576-token prompt step compiled it, 28.5 ms a token that run,
+    H100, 2026-12-08)."""
+    c = model_cfg
+    counts = moe_config_token_counts(c.n_routed_experts, c.num_experts_per_tok, max_tokens)
+    past_pre = hc_pre_max_tokens + 1
+    if 1 < past_pre <= max_tokens and not any(t >= past_pre for t in counts):
+        counts.append(past_pre)
+    return counts
+
+
 def padding_step(counts: list[int], page_size: int, start: int = 0) -> Dsv4Step:
     """Sequences of `counts` new tokens from position `start` (> 0: a prompt's later chunk, or
     a prompt after a prefix cache hit), all in page 0 and state slot 0."""
@@ -83,9 +98,8 @@ def warm_up(model, graphs) -> None:
         return
     t0 = time.monotonic()
     max_tokens = model.cfg.scheduler.max_num_batched_tokens
-    c = model.model_cfg
-    moe_counts = moe_config_token_counts(c.n_routed_experts, c.num_experts_per_tok, max_tokens)
-    steps = warm_up_steps(model.page_size, max_tokens, moe_counts)
+    counts = variant_token_counts(model.model_cfg, model.kernels.hc_pre_max_tokens, max_tokens)
+    steps = warm_up_steps(model.page_size, max_tokens, counts)
     for step in steps:
         model.forward(step, None)
     if graphs is not None:
