@@ -141,7 +141,7 @@ verify)
   echo "== Triton compiles after the warm-up (fresh cache; expected none)"
   TRITON_CACHE_DIR=$(mktemp -d) timeout -s INT -k 10 100 python3 scripts/dev_triton_compiles.py \
     scripts/dev_graph_miss.py .whl/dsv4-tiny-agent --concurrency 1,8 2>&1 | grep -v -i warn \
-    | grep -A40 "graphs: True" | grep -v "(path" | cut -c1-200 | head -24
+    | grep -A60 "graphs: True" | grep -v "(path" | cut -c1-110 | head -40
   ;;
 pd)
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
