@@ -102,6 +102,4 @@ def make_backend(name: str) -> AttentionBackend:
         return TorchAttention()
     if name == "triton":
         return TritonAttention()
-    if name == "invariant":
-        return InvariantTritonAttention()
-    raise ValueError(f"unknown attention backend {name!r} (torch | triton | invariant)")
+    raise ValueError(f"unknown attention backend {name!r} (torch | triton)")

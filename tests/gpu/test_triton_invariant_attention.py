@@ -25,9 +25,9 @@ SCALE = 0.125
 class Batch:
     """Sequences (context length, new tokens) over random pages of one random cache."""
 
-    def __init__(self, seqs, hq, hkv, d, page, dtype, g, pool_pages=None):
+    def __init__(self, seqs, hq, hkv, d, page, dtype, g):
         pages = [-(-ctx // page) for ctx, _ in seqs]
-        n = pool_pages or sum(pages) + 1
+        n = sum(pages) + 1  # page 0 stays unassigned
         dev = "cuda"
         self.k = torch.randn(n, page, hkv, d, device=dev, generator=g).to(dtype)
         self.v = torch.randn(n, page, hkv, d, device=dev, generator=g).to(dtype)
@@ -89,7 +89,7 @@ def test_a_row_has_the_same_bits_in_any_batch(dtype):
             others = [(max(c, q), q) for c, q in others]
             at = int(torch.randint(n, (1,), generator=cpu))
             seqs = others[:at] + [target] + others[at:]
-            mixed = Batch(seqs, hq, hkv, d, page, dtype, g, pool_pages=None)
+            mixed = Batch(seqs, hq, hkv, d, page, dtype, g)
             # the target's pages and queries, copied into this batch's cache at its own pages
             pages = -(-777 // page)
             mixed.k[mixed.table[at, :pages].long()] = alone.k[alone.table[0, :pages].long()]

@@ -9,7 +9,7 @@ from kvrelay.cache.kv_pool import KVPool, kv_cache_spec
 from kvrelay.cache.paging import pages_for
 from kvrelay.cache.spec import CacheSpec
 from kvrelay.config import EngineConfig, ModelConfig
-from kvrelay.layers.attention import make_backend
+from kvrelay.layers.attention import InvariantTritonAttention, make_backend
 from kvrelay.layers.batch_invariant_attention import BatchInvariantAttention
 from kvrelay.layers.ops import TORCH_OPS, triton_ops
 from kvrelay.layers.parallel import TPGroup
@@ -41,7 +41,7 @@ class DenseRunnable:
         self.backend = make_backend(backend)
         if cfg.deterministic:  # batch-invariant: the GPU's Triton kernel, the CPU's torch schedule
             cuda = device.type == "cuda"
-            self.backend = make_backend("invariant") if cuda else BatchInvariantAttention()
+            self.backend = InvariantTritonAttention() if cuda else BatchInvariantAttention()
         # The Triton backend also brings the fused per-token kernels; "torch" is the reference.
         self.ops = triton_ops() if backend == "triton" else TORCH_OPS
         self.pool: KVPool | None = None
