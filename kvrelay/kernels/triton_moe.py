@@ -90,6 +90,11 @@ def default_config(n_assign: int, num_experts: int) -> MoeConfig:
     return MoeConfig(128, 128, 64, 8, 3)
 
 
+# `--deterministic` on the GPU: one config at every token count (the decode one), so a token's
+# dot products run in the same tiles whichever rows share its expert's blocks.
+INVARIANT_CONFIG = MoeConfig(16, 64, 128, 4, 3)
+
+
 # -- grouping ------------------------------------------------------------------------------
 
 

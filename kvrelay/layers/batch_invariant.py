@@ -17,10 +17,14 @@ below cuts token-major ops into blocks of exactly ROWS rows (the last one zero-p
 it nothing changes. Attention needs more than blocking (its reduction length follows the batch):
 kvrelay/layers/batch_invariant_attention.py.
 
-On the GPU (dense models) the matmul handlers call a fixed-tile Triton kernel instead of blocking
-(kernels/triton_invariant_linear.py: no probe, nothing but a launch, so CUDA graphs capture it)
-and attention is a Triton kernel of its own (kernels/triton_invariant_attention.py); the dense
+On the GPU the matmul handlers call a fixed-tile Triton kernel instead of blocking
+(kernels/triton_invariant_linear.py: no probe, nothing but a launch, so CUDA graphs capture it).
+Dense attention is a Triton kernel of its own (kernels/triton_invariant_attention.py); the dense
 forward's other GPU ops are Triton kernels of one program per row, invariant as they are.
+DeepSeek-V4 runs its Triton kernels with schedules fixed by shapes alone (its runnable's
+`_pick_ops`) and its glue eagerly (not compiled: inductor picks a reduction's tiles from the row
+count), so the glue's reductions and top-k meet the blocking here; CUDA elementwise ops pass
+through (one function per element, whatever the size).
 """
 
 from __future__ import annotations
@@ -61,7 +65,12 @@ def in_row_blocks(
         key, tuple((x.shape[1:], x.dtype, x.device.type) for x in xs), torch.get_num_threads()
     )  # fmt: skip
     if full not in _FORMS:
-        _FORMS[full] = next((f for f in (fn, *forms) if _row_alike(f, xs)), None)
+        if xs[0].is_cuda and torch.cuda.is_current_stream_capturing():
+            # A probe syncs, which a capture forbids. The keys hold no row count, so the eager
+            # warm-up before any capture has met them; a new one here is trusted as it is.
+            _FORMS[full] = fn
+        else:
+            _FORMS[full] = next((f for f in (fn, *forms) if _row_alike(f, xs)), None)
     form = _FORMS[full]
     if form is None:
         return torch.cat([fn(*(x[i : i + 1].clone() for x in xs)) for i in range(n)])
@@ -207,6 +216,18 @@ def _softmax(op):
     return run
 
 
+def _topk(x, k, dim=-1, largest=True, sorted=True):
+    """Top-k along a dim other than the rows, on the GPU: which of two equal values comes first
+    (the routing's slot order, hence the order its experts are summed in) is the algorithm's,
+    and CUDA's topk picks its algorithm by shape. Blocked, every call has one shape; the values
+    are gathered back from the indices (exact)."""
+    if not x.is_cuda or not _keeps_rows(x, dim):
+        return NotImplemented
+    key = ("topk", k, dim, largest, sorted)
+    idx = in_row_blocks(lambda b: aten.topk.default(b, k, dim, largest, sorted)[1], x, key=key)
+    return x.gather(dim, idx), idx
+
+
 # Elementwise math whose vectorised CPU kernel rounds differently from its scalar tail loop (an
 # element gets other bits depending on whether it falls in a full vector or the tail, i.e. on
 # the tensor's size): sigmoid of a [T, 4] gate at T=1 (4 elements, all in the tail) vs T=8.
@@ -226,7 +247,8 @@ def _elementwise(op):
     every element runs through the vector loop, whatever the tensor's size."""
 
     def run(x, *args, **kwargs):
-        if not x.is_floating_point() or x.numel() == 0:
+        # A CUDA elementwise kernel applies one function to every element, vector loads or not.
+        if not x.is_floating_point() or x.numel() == 0 or x.is_cuda:
             return NotImplemented
         n = x.numel()
         if n % ELEMENT_ALIGN == 0 and n <= ELEMENT_BLOCK and x.is_contiguous():
@@ -260,6 +282,7 @@ _HANDLERS = {
     aten.mean.dim: _reduce(torch.mean),
     aten._softmax.default: _softmax(aten._softmax.default),
     aten._log_softmax.default: _softmax(aten._log_softmax.default),
+    aten.topk.default: _topk,
     **{op.default: _elementwise(op.default) for op in _TRANSCENDENTAL},
     **{
         getattr(aten, op.__name__ + "_").default: _elementwise_inplace(op.default)
@@ -308,16 +331,20 @@ def check_supported(cfg, device: torch.device | str, family: str = "llama") -> N
             "row in an order that follows the message size, hence the batch"
         )
     if torch.device(device).type != "cpu":
-        if family != "llama":
+        if family not in ("llama", "deepseek_v4"):
             raise ValueError(
-                f"--deterministic on the GPU covers dense (Llama-family) models so far, not "
-                f"{family}: its Triton kernels (sparse MQA, indexer, fused MoE, mHC) have no "
-                "batch-invariant variant yet (--device cpu runs it)"
+                f"--deterministic on the GPU covers the llama and deepseek_v4 families, not "
+                f"{family} (--device cpu runs it)"
             )
         if cfg.attention_backend not in ("auto", "triton"):
             raise ValueError(
                 f"--deterministic on the GPU runs the Triton path, not the {cfg.attention_backend!r}"
                 " attention backend (its torch ops are made invariant on the CPU only)"
+            )
+        if cfg.linear_weights == "fp8":
+            raise ValueError(
+                "--deterministic on the GPU with --linear-weights fp8 is not supported yet: the "
+                "FP8 linear kernel picks its tiles and split over K from the row count"
             )
         return
     if cfg.attention_backend in ("triton", "reference"):

@@ -120,17 +120,21 @@ def test_the_check_can_fail_on_any_cpu(monkeypatch) -> None:
 
 
 def test_refuses_what_it_cannot_make_invariant() -> None:
-    """Never the non-invariant path silently: DeepSeek-V4 or torch ops on a GPU, the Triton or
+    """Never the non-invariant path silently: torch ops or FP8 linears on a GPU, the Triton or
     per-sequence reference attention on the CPU, or tensor parallel with --deterministic is
     refused at startup."""
     from kvrelay.layers.batch_invariant import check_supported
 
     on = EngineConfig(deterministic=True)
     check_supported(on, torch.device("cpu"))
-    check_supported(EngineConfig(), torch.device("cuda"), "deepseek_v4")  # off: nothing to refuse
-    check_supported(on, torch.device("cuda"), "llama")  # dense on the GPU: the Triton kernels
-    with pytest.raises(ValueError, match="dense"):
-        check_supported(on, torch.device("cuda"), "deepseek_v4")
+    fp8 = EngineConfig(deterministic=True, linear_weights="fp8")
+    check_supported(EngineConfig(linear_weights="fp8"), "cuda", "deepseek_v4")  # off: nothing
+    for family in ("llama", "deepseek_v4"):  # on the GPU: the Triton kernels, invariant
+        check_supported(on, torch.device("cuda"), family)
+        with pytest.raises(ValueError, match="FP8 linear"):
+            check_supported(fp8, torch.device("cuda"), family)
+    with pytest.raises(ValueError, match="llama and deepseek_v4"):
+        check_supported(on, torch.device("cuda"), "qwen")
     for backend in ("torch", "reference"):
         with pytest.raises(ValueError, match="Triton path"):
             check_supported(EngineConfig(deterministic=True, attention_backend=backend), "cuda")

@@ -18,6 +18,11 @@ from kvrelay.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from kvrelay.models.deepseek_v4.pooled_attention import AttentionOps, pooled_attention
 
 
+def _glue(kernels: LayerKernels | None):
+    """The Triton path compiles the glue between its kernels (not `--deterministic`'s)."""
+    return fused_glue(kernels is not None and kernels.fuse_glue)
+
+
 @torch.no_grad()
 def forward_batched(
     model: DeepseekV4ForCausalLM,
@@ -39,7 +44,7 @@ def forward_batched(
     tensors, when the caller shares them with the MTP pass (built here otherwise)."""
     m = model.model
     index = index or StepIndex(meta, m.config.sliding_window)
-    with fused_glue(kernels is not None):  # the Triton path compiles the glue between kernels
+    with _glue(kernels):
         x = m.embed_tokens(input_ids)
         streams = x[:, None, :].expand(-1, m.config.hc_mult, -1).contiguous()
         fused_hc = (
@@ -88,7 +93,7 @@ def mtp_batched(
     `index`: the step's (the main forward's) index tensors, computed once for both."""
     m = model.model
     mtp, layer = m.mtp[0], len(m.layers)
-    with fused_glue(kernels is not None):
+    with _glue(kernels):
         e = mtp.e_proj(mtp.enorm(m.embed_tokens(next_ids)))
         x = e[:, None, :] + mtp.h_proj(mtp.hnorm(streams))
 
@@ -133,7 +138,7 @@ def mtp_drafts(
     table = torch.cat((table, table.new_zeros(n, extra)), dim=1)
     first = meta.positions[rows]
     own = torch.arange(n, device=rows.device)
-    with fused_glue(kernels is not None):
+    with _glue(kernels):
         for j in range(1, k):
             step = BatchMeta(
                 positions=first + j, seq=own, page_table=table, slots=own * 0,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvrelay.layers import batch_invariant
 from kvrelay.models.base import BUCKETS
 from kvrelay.models.deepseek_v4.batch_meta import BatchMeta, Closers, StepIndex, keeps_prev
 from kvrelay.models.deepseek_v4.batched import forward_batched, mtp_drafts
@@ -177,6 +178,11 @@ class Dsv4GraphRunner:
         """The graph(s) of (batch bucket, context bucket, rows per request), unless there."""
         if (bs, ctx, q) in self.graphs:
             return
+        # `--deterministic`: captured inside the invariant mode (a replay runs outside it)
+        with batch_invariant.scope(self.runner.cfg.deterministic):
+            self._capture(bs, ctx, q)
+
+    def _capture(self, bs: int, ctx: int, q: int) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks kernels

@@ -28,6 +28,7 @@ class LayerKernels:
     hc_gates: Callable | None = None
     hc_pre: Callable | None = None
     hc_pre_max_tokens: int = 0
+    fuse_glue: bool = True  # the glue between kernels compiled (fusion.py); False: eager
 
 
 class DecoderLayer(nn.Module):

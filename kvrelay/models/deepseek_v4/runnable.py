@@ -273,10 +273,13 @@ def _pick_ops(
     backend: str, device: torch.device, deterministic: bool = False
 ) -> tuple[AttentionOps, LayerKernels | None]:
     """Torch references (CPU, `torch`), the Triton kernels (`triton`; auto on the GPU), or the
-    batch-invariant torch ops (`deterministic`)."""
+    batch-invariant torch ops (`deterministic`; on the GPU the Triton kernels with invariant
+    schedules)."""
     from kvrelay.kernels.indexer_reference import indexer_topk_reference
     from kvrelay.models.deepseek_v4.sparse_attention import sparse_mqa_reference
 
+    if deterministic and device.type == "cuda":
+        return _invariant_triton_ops()
     if deterministic:
         from kvrelay.layers import batch_invariant_attention as bi
 
@@ -291,3 +294,29 @@ def _pick_ops(
         ops = AttentionOps(sparse_mqa, indexer_topk, pool_windows)
         return ops, LayerKernels(fused_experts, hc_gates, hc_pre, PRE_MAX_TOKENS)
     return AttentionOps(sparse_mqa_reference, indexer_topk_reference), None
+
+
+def _invariant_triton_ops() -> tuple[AttentionOps, LayerKernels]:
+    """`--deterministic` on the GPU: the fast path's kernels, each with a schedule that no row
+    count chooses, so a row's bits do not depend on its batch (issue 22):
+    - sparse MQA in one split per row (the split count follows the row count otherwise);
+    - the fused MoE at one tile config (`default_config` follows the tokens per expert);
+    - the mHC pre kernel at every step size (its slices over the hidden dim are fixed; the
+      gates kernel it hands long prefill steps to goes with the compiled mix and collapse);
+    - the indexer (its tiles follow the head count and dims only; the top-k set is exact, in
+      entry order) and the compressor's pooling (one program per window) as they are;
+    - the glue eager (`fuse_glue=False`), under the batch-invariant dispatch mode.
+    Decode and prefill rows run the same kernels; the dense linears meet the invariant linear
+    through the mode (layers/batch_invariant.py)."""
+    import functools
+    import sys
+
+    from kvrelay.kernels.triton_compressor import pool_windows
+    from kvrelay.kernels.triton_indexer import indexer_topk
+    from kvrelay.kernels.triton_mhc import hc_pre
+    from kvrelay.kernels.triton_moe import INVARIANT_CONFIG, fused_experts
+    from kvrelay.kernels.triton_sparse_attention import sparse_mqa
+
+    ops = AttentionOps(functools.partial(sparse_mqa, num_splits=1), indexer_topk, pool_windows)
+    experts = functools.partial(fused_experts, config=INVARIANT_CONFIG)
+    return ops, LayerKernels(experts, None, hc_pre, sys.maxsize, fuse_glue=False)
