@@ -82,7 +82,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="batch-invariant mode: a request's logits and seeded samples are bitwise the same "
         "at any concurrency and any prefill chunking (fixed-shape matmuls, reductions and "
-        "attention blocks; slower; DeepSeek-V4 on the CPU only, so far)",
+        "attention blocks; slower; on the GPU the Triton path with invariant schedules)",
     )
     g.add_argument(
         "--tensor-parallel-size",
