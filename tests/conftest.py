@@ -52,11 +52,11 @@ def pytest_configure(config):
 
 
 # The GPU files by what they run. Kernel files compile only their own kernels and each takes
-# seconds: tests/quant, tests/gpu/test_triton_*.py and these two. Every other file of tests/gpu
+# seconds: tests/quant, tests/gpu/test_triton_*.py and these. Every other file of tests/gpu
 # runs a served path (engines, servers): the order below, any file not named last. The first
 # engine of a path pays for compiling its kernels (the dense one: tens of seconds; DeepSeek-V4's
 # fast path, Triton and torch.compile: about a minute), the later ones of the path find them.
-GPU_KERNEL_FILES = ("test_cuda_ipc.py", "test_dsv4_fusion.py")
+GPU_KERNEL_FILES = ("test_cuda_ipc.py", "test_dsv4_fusion.py", "test_dsv4_invariant_kernels.py")
 GPU_SERVED_ORDER = (
     "test_engine_gpu.py",  # the dense path: CUDA graphs against the torch reference
     "test_host_tier_gpu.py",

@@ -29,7 +29,7 @@ NEW = 12
 ALONE = [0, 1, 2]  # long greedy, long sampled, short greedy
 
 
-def make_engine(deterministic: bool, model: str = "smollm2-135m") -> Engine:
+def make_engine(deterministic: bool, model: str = "smollm2-135m", prefix_cache=False) -> Engine:
     src = resolve(model, "dummy")
     if model.startswith("dsv4"):
         src = dataclasses.replace(
@@ -42,7 +42,9 @@ def make_engine(deterministic: bool, model: str = "smollm2-135m") -> Engine:
             dtype="bfloat16",
             deterministic=deterministic,
             cuda_graphs=True,
-            cache=CacheConfig(max_total_tokens=65536, prefix_cache=False),  # every run computes
+            cache=CacheConfig(
+                max_total_tokens=65536, prefix_cache=prefix_cache
+            ),  # off: all computed
             scheduler=SchedulerConfig(max_num_batched_tokens=64),
         ),
         src,
