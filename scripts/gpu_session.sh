@@ -25,6 +25,8 @@
 #                table (dsv4-mini where it fits, else dsv4-mini8) and, with a fresh Triton
 #                cache, every kernel compiled after the warm-up by the agent's c1/c8 prompts
 #                (expected: none)                                                          ~5 min
+#   PART=det     --deterministic on the GPU: the DeepSeek-V4 kernels' and engine tests, sharing
+#                and PD (quick tier), then llama-1b's decode step with and without it    ~7 min
 #   run(command="PART=check bash scripts/gpu_session.sh", carry=[".whl"], timeout_s=600)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -142,6 +144,21 @@ verify)
   TRITON_CACHE_DIR=$(mktemp -d) timeout -s INT -k 10 100 python3 scripts/dev_triton_compiles.py \
     scripts/dev_graph_miss.py .whl/dsv4-tiny-agent --concurrency 1,8 2>&1 | grep -v -i warn \
     | grep -A60 "graphs: True" | grep -v "(path" | cut -c1-110 | head -40
+  ;;
+det)
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+  echo "== --deterministic on the GPU: DeepSeek-V4's kernels, engines, sharing, PD (quick tier)"
+  timeout -s INT -k 10 330 python3 -m pytest -q -m gpu -n 4 --dist loadfile -p no:cacheprovider \
+    -rA -s tests/gpu/test_dsv4_invariant_kernels.py tests/gpu/test_deterministic_gpu.py \
+    tests/gpu/test_deterministic_sharing_gpu.py tests/gpu/test_pd_deterministic_gpu.py \
+    tests/gpu/test_triton_invariant_linear.py tests/gpu/test_dsv4_warm_up_gpu.py 2>&1 \
+    | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert|differ" | cut -c1-240 | head -70
+  echo "== llama-1b decode step with and without --deterministic (issue 22: target <= 20% slower)"
+  for det in "" --deterministic; do
+    timeout -s INT -k 10 100 python3 benchmarks/decode_throughput.py --batch-sizes 1,16,64 \
+      --steps 30 --skip-hf $det --out "$OUT/decode_llama1b${det:+_deterministic}.json" 2>&1 \
+      | grep -E "^ +(1|16|64) True"
+  done
   ;;
 pd)
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
