@@ -83,6 +83,7 @@ def make_engine(a: argparse.Namespace, backend: str) -> Engine:
         dtype=a.dtype,
         attention_backend=backend,
         linear_weights=getattr(a, "linear_weights", "auto"),
+        deterministic=getattr(a, "deterministic", False),
         max_model_len=max(a.contexts) + 64,
         cache=CacheConfig(memory_fraction=0.9),
         scheduler=SchedulerConfig(
@@ -183,12 +184,18 @@ def main() -> None:
         "--prefill-chunk", type=int, default=PREFILL_CHUNK, help="tokens per prefill step"
     )
     p.add_argument("--linear-weights", default="auto", choices=["auto", "fp8"])
+    p.add_argument(
+        "--deterministic", action="store_true",
+        help="the batch-invariant mode (issue 22: its cost); no reference-path rows",
+    )  # fmt: skip
     p.add_argument("--out", default=None)
     a = p.parse_args()
     a.batches = [int(x) for x in a.batches.split(",")]
     a.contexts = [int(x) for x in a.contexts.split(",")]
     a.prefill = [int(x) for x in a.prefill.split(",") if x]
     ref_batches = [int(x) for x in a.reference_batches.split(",") if x]
+    if a.deterministic:  # the reference path is the torch one, which the mode refuses on a GPU
+        ref_batches = []
 
     engine = make_engine(a, "auto")
     randomize_pools(engine)
@@ -235,6 +242,7 @@ def main() -> None:
         "model": a.model,
         "dtype": a.dtype,
         "linear_weights": a.linear_weights,
+        "deterministic": a.deterministic,
         "copy_bandwidth_Bps": bw,
         "weights": wb,
         "decode": rows,

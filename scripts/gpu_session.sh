@@ -26,7 +26,8 @@
 #                cache, every kernel compiled after the warm-up by the agent's c1/c8 prompts
 #                (expected: none)                                                          ~5 min
 #   PART=det     --deterministic on the GPU: the DeepSeek-V4 kernels' and engine tests, sharing
-#                and PD (quick tier), then llama-1b's decode step with and without it    ~7 min
+#                and PD (quick tier), then llama-1b's and dsv4-mini8's steps with and without
+#                it                                                                        ~9 min
 #   run(command="PART=check bash scripts/gpu_session.sh", carry=[".whl"], timeout_s=600)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -158,6 +159,12 @@ det)
     timeout -s INT -k 10 100 python3 benchmarks/decode_throughput.py --batch-sizes 1,16,64 \
       --steps 30 --skip-hf $det --out "$OUT/decode_llama1b${det:+_deterministic}.json" 2>&1 \
       | grep -E "^ +(1|16|64) True"
+  done
+  echo "== dsv4-mini8 decode (context 4096) and prefill 4096 with and without --deterministic"
+  for det in "" --deterministic; do
+    timeout -s INT -k 10 120 python3 benchmarks/dsv4_decode.py --model dsv4-mini8 --batches 1,8,64 \
+      --contexts 4096 --reference-batches "" --prefill 4096 $det \
+      --out "$OUT/dsv4_decode_mini8${det:+_deterministic}.json" 2>&1 | tail -5
   done
   ;;
 pd)
