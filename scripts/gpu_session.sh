@@ -152,7 +152,8 @@ det)
   timeout -s INT -k 10 330 python3 -m pytest -q -m gpu -n 4 --dist loadfile -p no:cacheprovider \
     -rA -s tests/gpu/test_dsv4_invariant_kernels.py tests/gpu/test_deterministic_gpu.py \
     tests/gpu/test_deterministic_sharing_gpu.py tests/gpu/test_pd_deterministic_gpu.py \
-    tests/gpu/test_triton_invariant_linear.py tests/gpu/test_dsv4_warm_up_gpu.py 2>&1 \
+    tests/gpu/test_host_tier_gpu.py tests/gpu/test_triton_invariant_linear.py \
+    tests/gpu/test_dsv4_warm_up_gpu.py 2>&1 \
     | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert|differ" | cut -c1-240 | head -70
   echo "== llama-1b decode step with and without --deterministic (issue 22: target <= 20% slower)"
   for det in "" --deterministic; do

@@ -17,13 +17,15 @@ pytestmark = pytest.mark.gpu
 PAGE_BYTES = 737_280  # SmolLM2-135M shape, float32, 16 tokens
 
 
-def _engine(prefix_cache: bool = True, host_pages: int = 0) -> Engine:
-    """12 device pages of 16 tokens (about two conversations of the workload)."""
+def _engine(prefix_cache: bool = True, host_pages: int = 0, deterministic: bool = False) -> Engine:
+    """12 device pages of 16 tokens (about two conversations of the workload); bf16 in the
+    batch-invariant mode (a page's bytes are then half of PAGE_BYTES: twice the host pages)."""
     return Engine(
         EngineConfig(
             model="smollm2-135m",
             load_format="dummy",
-            dtype="float32",
+            dtype="bfloat16" if deterministic else "float32",
+            deterministic=deterministic,
             cache=CacheConfig(
                 max_total_tokens=12 * 16,
                 prefix_cache=prefix_cache,
@@ -59,3 +61,14 @@ def test_stalled_copy_stream_gives_bitwise_the_same_outputs(runs, monkeypatch) -
     monkeypatch.setattr(gate, "delay", lambda: torch.cuda._sleep(2_000_000))
     assert workload(engine) == runs["on"]  # tokens, logprobs and cached tokens
     assert engine.host_tier.loaded > loaded
+
+
+def test_deterministic_hits_through_host_memory_equal_cache_off_bitwise() -> None:
+    """`--deterministic` (bf16, graphs): later turns resumed from pages loaded back from host
+    memory, and the 16 third turns in one batch, give the tokens and logprobs of a cache-off
+    engine bit for bit (a hit moves where a prompt's prefill starts and what shares its steps)."""
+    on = _engine(host_pages=24, deterministic=True)
+    got = workload(on)
+    assert on.host_tier.offloaded > 0 and on.host_tier.loaded > 0
+    want = workload(_engine(prefix_cache=False, deterministic=True))
+    assert [r[:2] for r in got] == [r[:2] for r in want]
