@@ -6,8 +6,7 @@
 #                kernel time by component) and the aten ops that launch kernels by source
 #                line (benchmarks/dsv4_launch_sources.py)                                ~6 min
 #   PART=compare llama-1b decode at an older commit (OLD, default 2907d6a) and here, back to
-#                back (is a step change the code or the machine?), then here with and
-#                without --deterministic at batch 1/16/64                                ~3 min
+#                back (is a step change the code or the machine?)                       ~2 min
 #   PART=served  scripts/gpu_served_latency.sh (--max-decode-slowdown off vs on)          ~6 min
 #   PART=spec    speculative decoding on the agent (real weights, its trained MTP block; carry
 #                it: WITH_AGENT=1 scripts/gpu_wheels.sh) in float32 and bf16, mtp K=1/3 and
@@ -72,12 +71,6 @@ compare)
   else
     echo "no worktree of $old (no git objects here?)"
   fi
-  echo "== llama-1b decode step with and without --deterministic (issue 22: target <= 20% slower)"
-  for det in "" --deterministic; do
-    timeout -s INT -k 10 120 python3 benchmarks/decode_throughput.py --batch-sizes 1,16,64 \
-      --steps 30 --skip-hf $det --out "$OUT/decode_llama1b${det:+_deterministic}.json" 2>&1 \
-      | grep -E "^ +(1|16|64) True"
-  done
   ;;
 served)
   bash scripts/gpu_served_latency.sh

@@ -223,3 +223,23 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][0] != "Z"  # a zombie is dead, just not reaped
     except FileNotFoundError:
         return False
+
+
+def single_beside_pd(
+    model: tuple[str, ...], single_args: tuple[str, ...], side_args: tuple[str, ...]
+) -> tuple[ServerProcess, PDStack]:
+    """A single server and a PD stack (both sides with `side_args`) of one model, loading side by
+    side (three starts at once, one torch thread each); if either fails, neither is left."""
+    with engine_threads(), ThreadPoolExecutor(1) as ex:
+        started = ex.submit(ServerProcess, *model, *single_args)
+        try:
+            pd = PDStack(prefill_args=side_args, decode_args=side_args, model=model)
+        except BaseException:
+            if started.exception() is None:  # waits for its start to end either way
+                started.result().close()
+            raise
+    try:
+        return started.result(), pd
+    except BaseException:
+        pd.close()
+        raise

