@@ -4,8 +4,11 @@ with `kvrelay bench`.
 
 Modes: `single` (`kvrelay serve`), `pd` (`kvrelay up`: router + prefill + decode; on one GPU
 both servers share it; tcp backend), `pd-ipc` (cuda_ipc backend: prefill writes into decode's
-pages), `-nocrc` variants without the transfer checksum. The single server stays up while the PD
-modes run, and `kvrelay verify` checks each PD stack against it token for token.
+pages), `pd-nixl` (nixl backend, not in the default list: it needs NIXL installed), `-nocrc`
+variants without the transfer checksum. The single server stays up while the PD modes run, and
+`kvrelay verify` checks each PD stack against it token for token. Per PD mode, from prefill's
+metrics: KV bytes sent per transfer and the rate of sending them (bytes / time in the send
+phase), beside the GPU's measured copy bandwidth.
 
     python benchmarks/pd_vs_single.py --out bench-results/pd_vs_single.json
 CPU dry run:  python benchmarks/pd_vs_single.py --model smollm2-135m --concurrency 1,2 \
@@ -28,6 +31,7 @@ import time
 import urllib.request
 
 MODES = ("single", "pd", "pd-nocrc", "pd-ipc", "pd-ipc-nocrc")
+BACKENDS = {"pd-ipc": "cuda_ipc", "pd-nixl": "nixl"}  # by mode prefix; tcp otherwise
 
 
 def free_port() -> int:
@@ -70,8 +74,9 @@ def start(mode: str, a: argparse.Namespace, log_dir: str) -> tuple[subprocess.Po
         cmd = ["serve", "--port", str(port), *common, *per_server]
     else:
         extra = per_server + (["--no-transfer-checksum"] if mode.endswith("-nocrc") else [])
-        if mode.startswith("pd-ipc"):
-            extra += ["--transfer-backend", "cuda_ipc"]
+        for prefix, backend in BACKENDS.items():
+            if mode.startswith(prefix):
+                extra += ["--transfer-backend", backend]
         cmd = ["up", "--port", str(port), "--log-dir", os.path.join(log_dir, mode), *common]
         cmd += [f"--server-args={shlex.join(extra)}"]
         for side, gpus in (
@@ -134,6 +139,36 @@ def verify(ref: str, url: str, a: argparse.Namespace, out_dir: str, mode: str) -
     return {"exit_code": rc, "summary": v.get("summary", {})}
 
 
+def transfer_stats(router_url: str) -> dict:
+    """What the stack's prefill servers sent (their /metrics, found through the router's
+    /server_info): bytes per transfer, and bytes over the time spent in the send phase."""
+
+    def get(url: str) -> str:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.read().decode()
+
+    sent = seconds = count = 0.0
+    for url in json.loads(get(router_url + "/server_info"))["config"]["prefill"]:
+        for line in get(url + "/metrics").splitlines():
+            if line.startswith("#") or " " not in line:
+                continue
+            value = float(line.rsplit(" ", 1)[1])
+            if line.startswith("kvrelay_pd_transfer_bytes_total{") and '"sent"' in line:
+                sent += value
+            elif 'side="prefill"' in line and 'phase="send"' in line:
+                if line.startswith("kvrelay_pd_transfer_seconds_sum{"):
+                    seconds += value
+                elif line.startswith("kvrelay_pd_transfer_seconds_count{"):
+                    count += value
+    return {
+        "bytes_sent": sent,
+        "transfers": count,
+        "bytes_per_transfer": sent / count if count else None,
+        "send_seconds": seconds,
+        "send_GBps": sent / seconds / 1e9 if seconds else None,
+    }
+
+
 def row(level: dict) -> dict:
     return {
         "concurrency": level["concurrency"],
@@ -179,6 +214,8 @@ def main() -> None:
             proc, url = start(mode, a, work)
             try:
                 res = bench(url, a, work, mode)
+                if mode != "single":
+                    results.setdefault("transfer", {})[mode] = transfer_stats(url)
                 if mode == "single":
                     single, proc = (proc, url), None
                 elif single is not None and a.verify_prompts:
@@ -190,13 +227,33 @@ def main() -> None:
     finally:
         if single is not None:
             stop(single[0])
+    if results.get("transfer"):  # after the servers: this process holds no GPU memory before
+        results["meta"]["copy_GBps"] = copy_GBps()
     print_table(results)
+    for mode, t in results.get("transfer", {}).items():
+        per = t["bytes_per_transfer"] or 0
+        print(f"transfer {mode}: {t['transfers']:.0f} sent, {per / 1e6:.1f} MB each, "
+              f"{t['send_GBps'] or 0:.2f} GB/s sending (device copy, read + write: "
+              f"{results['meta'].get('copy_GBps') or 0:.0f} GB/s)")  # fmt: skip
     for mode, v in results.get("verify", {}).items():
         print(f"verify single vs {mode}: exit {v['exit_code']} {json.dumps(v['summary'])[:300]}")
     print(f"logs and raw bench JSON: {work}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def copy_GBps() -> float | None:
+    """The GPU's device-to-device copy bandwidth (decode_throughput's measurement), if any."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    from decode_throughput import copy_bandwidth  # same directory
+
+    return copy_bandwidth() / 1e9
 
 
 def meta(a: argparse.Namespace) -> dict:

@@ -27,6 +27,8 @@
 #   PART=det     --deterministic on the GPU: the DeepSeek-V4 kernels' and engine tests, sharing
 #                and PD (quick tier), then llama-1b's and dsv4-mini8's steps with and without
 #                it                                                                        ~9 min
+#   PART=nixl    (WITH_NIXL=1 scripts/gpu_wheels.sh first) PD over nixl with VRAM == single,
+#                then dsv4-mini8's 32k-token transfers over tcp, cuda_ipc and nixl (GB/s)  ~8 min
 #   run(command="PART=check bash scripts/gpu_session.sh", carry=[".whl"], timeout_s=600)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -159,6 +161,22 @@ det)
     timeout -s INT -k 10 120 python3 benchmarks/dsv4_decode.py --model dsv4-mini8 --batches 1,8,64 \
       --contexts 4096 --reference-batches "" --prefill 4096 $det \
       --out "$OUT/dsv4_decode_mini8${det:+_deterministic}.json" 2>&1 | tail -5
+  done
+  ;;
+nixl)
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/nixl/*.whl
+  echo "== PD over nixl with the KV in VRAM == a single server (issue 24)"
+  timeout -s INT -k 10 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rA \
+    tests/gpu/test_pd_nixl_gpu.py 2>&1 | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" | head
+  echo "== dsv4-mini8, 32k-token prompts: transfer GB/s by backend (nixl and cuda_ipc, then tcp)"
+  for modes in pd-nixl,pd-ipc pd; do
+    timeout -s INT -k 15 $([ $modes = pd ] && echo 170 || echo 260) python3 \
+      benchmarks/pd_vs_single.py --model dsv4-mini8 --modes $modes --concurrency 1 \
+      --input-len 32768 --output-len 2 --prompts-per-level 2 --max-num-batched-tokens 8192 \
+      --memory-fraction 0.42 --tokenizer .whl/tokenizer-smollm2 --verify-prompts 0 \
+      --start-timeout 150 --bench-timeout 120 \
+      --out "$OUT/pd_transfer_dsv4_mini8_32k_${modes/,/_}.json" 2>&1 | grep -E "^transfer|^pd"
   done
   ;;
 pd)

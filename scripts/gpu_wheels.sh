@@ -11,6 +11,7 @@
 # WITH_TRANSFORMERS=1 adds it, ~12 MB) and the dsv4-tiny-agent (WITH_AGENT=1 copies it to
 # .whl/dsv4-tiny-agent, ~42 MB: over the ~60 MiB budget together with the rest, and no quick-tier
 # test needs it).
+# WITH_NIXL=1 adds a slim NIXL wheel instead of the agent (PART=nixl of scripts/gpu_session.sh).
 # Usage: scripts/gpu_wheels.sh      then: du -sh .whl   (keep the carried total under ~60 MiB)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -67,6 +68,16 @@ if [ -n "${WITH_AGENT:-}" ]; then
   AGENT=${AGENT:-../shared/models/dsv4-tiny-agent}
   mkdir -p "$WHL/dsv4-tiny-agent"
   cp -u "$AGENT"/*.json "$AGENT"/*.safetensors "$AGENT"/*.jinja "$AGENT"/*.py "$WHL/dsv4-tiny-agent/"
+fi
+
+# WITH_NIXL=1: a slim nixl-cu13 wheel (~11 MB; scripts/nixl_slim_wheel.py) in .whl/nixl/, which
+# PART=nixl installs. Not beside the agent: the two with the rest are over one call's 64 MiB.
+if [ -n "${WITH_NIXL:-}" ]; then
+  [ -n "${WITH_AGENT:-}" ] && { echo "WITH_NIXL and WITH_AGENT: over 64 MiB together" >&2; exit 2; }
+  rm -rf "$WHL/dsv4-tiny-agent" "$WHL/nixl"
+  "$PY" scripts/nixl_slim_wheel.py --dest "$WHL/nixl" 2> >(grep -v "is ignored" >&2)
+else
+  rm -rf "$WHL/nixl"
 fi
 
 ls "$WHL"
