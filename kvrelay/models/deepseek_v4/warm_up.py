@@ -99,6 +99,8 @@ def warm_up(model, graphs) -> None:
     t0 = time.monotonic()
     max_tokens = model.cfg.scheduler.max_num_batched_tokens
     counts = variant_token_counts(model.model_cfg, model.kernels.hc_pre_max_tokens, max_tokens)
+    if model.cfg.deterministic:  # one MoE config and one mHC kernel at every token count
+        counts = []
     steps = warm_up_steps(model.page_size, max_tokens, counts)
     for step in steps:
         model.forward(step, None)
