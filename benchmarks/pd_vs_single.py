@@ -30,6 +30,8 @@ import tempfile
 import time
 import urllib.request
 
+from kvrelay.bench.metrics import parse_prometheus
+
 MODES = ("single", "pd", "pd-nocrc", "pd-ipc", "pd-ipc-nocrc")
 BACKENDS = {"pd-ipc": "cuda_ipc", "pd-nixl": "nixl"}  # by mode prefix; tcp otherwise
 
@@ -147,19 +149,16 @@ def transfer_stats(router_url: str) -> dict:
         with urllib.request.urlopen(url, timeout=30) as r:
             return r.read().decode()
 
+    def total(samples, name: str, **want: str) -> float:
+        return sum(v for labels, v in samples.get(name, []) if want.items() <= labels.items())
+
     sent = seconds = count = 0.0
     for url in json.loads(get(router_url + "/server_info"))["config"]["prefill"]:
-        for line in get(url + "/metrics").splitlines():
-            if line.startswith("#") or " " not in line:
-                continue
-            value = float(line.rsplit(" ", 1)[1])
-            if line.startswith("kvrelay_pd_transfer_bytes_total{") and '"sent"' in line:
-                sent += value
-            elif 'side="prefill"' in line and 'phase="send"' in line:
-                if line.startswith("kvrelay_pd_transfer_seconds_sum{"):
-                    seconds += value
-                elif line.startswith("kvrelay_pd_transfer_seconds_count{"):
-                    count += value
+        m = parse_prometheus(get(url + "/metrics"))
+        sent += total(m, "kvrelay_pd_transfer_bytes_total", direction="sent")
+        send = {"side": "prefill", "phase": "send"}
+        seconds += total(m, "kvrelay_pd_transfer_seconds_sum", **send)
+        count += total(m, "kvrelay_pd_transfer_seconds_count", **send)
     return {
         "bytes_sent": sent,
         "transfers": count,
