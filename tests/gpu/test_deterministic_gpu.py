@@ -89,7 +89,7 @@ def test_alone_equals_among_16_and_64_bitwise():
 
 
 def test_dsv4_alone_equals_among_16_and_64_bitwise():
-    """DeepSeek-V4 on its Triton path in the mode (runnable.py `_invariant_triton_ops`: sparse
+    """DeepSeek-V4 on its Triton path in the mode (runnable.py `_pick_ops`: sparse
     MQA in one split, the MoE at one tile config, the mHC pre kernel at every size, the glue
     eager under the dispatch mode): the same three requests, the same bitwise equality. Where it
     fails, tests/gpu/test_dsv4_invariant_kernels.py checks each kernel alone."""

@@ -1,5 +1,5 @@
 """DeepSeek-V4's kernels as `--deterministic` runs them on the GPU (runnable.py
-`_invariant_triton_ops`): a watched row gives the same bits alone as at a random place among
+`_pick_ops`, deterministic): a watched row gives the same bits alone as at a random place among
 1..255 random neighbours (batches of 2, 17, 64 and 256 rows, whatever the neighbours bring: more
 entries, other experts, a longer step), and a graph replay of the largest batch gives the eager
 bits. One check per kernel, so that an engine-level difference (test_deterministic_gpu.py) points

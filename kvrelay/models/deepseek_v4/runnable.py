@@ -5,6 +5,8 @@ slots, the batched forward (torch ops, or Triton kernels on the GPU) or, with
 from __future__ import annotations
 
 import logging
+import sys
+from functools import partial
 
 import torch
 
@@ -273,32 +275,10 @@ def _pick_ops(
     backend: str, device: torch.device, deterministic: bool = False
 ) -> tuple[AttentionOps, LayerKernels | None]:
     """Torch references (CPU, `torch`), the Triton kernels (`triton`; auto on the GPU), or the
-    batch-invariant torch ops (`deterministic`; on the GPU the Triton kernels with invariant
-    schedules)."""
-    from kvrelay.kernels.indexer_reference import indexer_topk_reference
-    from kvrelay.models.deepseek_v4.sparse_attention import sparse_mqa_reference
+    batch-invariant torch ops (`deterministic` on the CPU).
 
-    if deterministic and device.type == "cuda":
-        return _invariant_triton_ops()
-    if deterministic:
-        from kvrelay.layers import batch_invariant_attention as bi
-
-        return AttentionOps(bi.sparse_mqa, bi.indexer_topk), None
-    if backend == "triton" or (backend == "auto" and device.type == "cuda"):
-        from kvrelay.kernels.triton_compressor import pool_windows
-        from kvrelay.kernels.triton_indexer import indexer_topk
-        from kvrelay.kernels.triton_mhc import PRE_MAX_TOKENS, hc_gates, hc_pre
-        from kvrelay.kernels.triton_moe import fused_experts
-        from kvrelay.kernels.triton_sparse_attention import sparse_mqa
-
-        ops = AttentionOps(sparse_mqa, indexer_topk, pool_windows)
-        return ops, LayerKernels(fused_experts, hc_gates, hc_pre, PRE_MAX_TOKENS)
-    return AttentionOps(sparse_mqa_reference, indexer_topk_reference), None
-
-
-def _invariant_triton_ops() -> tuple[AttentionOps, LayerKernels]:
-    """`--deterministic` on the GPU: the fast path's kernels, each with a schedule that no row
-    count chooses, so a row's bits do not depend on its batch (issue 22):
+    `deterministic` on the GPU (issue 22): the Triton kernels, each with a schedule that no row
+    count chooses, so a row's bits do not depend on its batch:
     - sparse MQA in one split per row (the split count follows the row count otherwise);
     - the fused MoE at one tile config (`default_config` follows the tokens per expert);
     - the mHC pre kernel at every step size (its slices over the hidden dim are fixed; the
@@ -308,15 +288,24 @@ def _invariant_triton_ops() -> tuple[AttentionOps, LayerKernels]:
     - the glue eager (`fuse_glue=False`), under the batch-invariant dispatch mode.
     Decode and prefill rows run the same kernels; the dense linears meet the invariant linear
     through the mode (layers/batch_invariant.py)."""
-    import functools
-    import sys
+    from kvrelay.kernels.indexer_reference import indexer_topk_reference
+    from kvrelay.models.deepseek_v4.sparse_attention import sparse_mqa_reference
 
-    from kvrelay.kernels.triton_compressor import pool_windows
-    from kvrelay.kernels.triton_indexer import indexer_topk
-    from kvrelay.kernels.triton_mhc import hc_pre
-    from kvrelay.kernels.triton_moe import INVARIANT_CONFIG, fused_experts
-    from kvrelay.kernels.triton_sparse_attention import sparse_mqa
+    if deterministic and device.type != "cuda":
+        from kvrelay.layers import batch_invariant_attention as bi
 
-    ops = AttentionOps(functools.partial(sparse_mqa, num_splits=1), indexer_topk, pool_windows)
-    experts = functools.partial(fused_experts, config=INVARIANT_CONFIG)
-    return ops, LayerKernels(experts, None, hc_pre, sys.maxsize, fuse_glue=False)
+        return AttentionOps(bi.sparse_mqa, bi.indexer_topk), None
+    if backend == "triton" or (backend == "auto" and device.type == "cuda"):
+        from kvrelay.kernels.triton_compressor import pool_windows
+        from kvrelay.kernels.triton_indexer import indexer_topk
+        from kvrelay.kernels.triton_mhc import PRE_MAX_TOKENS, hc_gates, hc_pre
+        from kvrelay.kernels.triton_moe import INVARIANT_CONFIG, fused_experts
+        from kvrelay.kernels.triton_sparse_attention import sparse_mqa
+
+        if deterministic:
+            ops = AttentionOps(partial(sparse_mqa, num_splits=1), indexer_topk, pool_windows)
+            experts = partial(fused_experts, config=INVARIANT_CONFIG)
+            return ops, LayerKernels(experts, None, hc_pre, sys.maxsize, fuse_glue=False)
+        ops = AttentionOps(sparse_mqa, indexer_topk, pool_windows)
+        return ops, LayerKernels(fused_experts, hc_gates, hc_pre, PRE_MAX_TOKENS)
+    return AttentionOps(sparse_mqa_reference, indexer_topk_reference), None
